@@ -1,0 +1,45 @@
+"""hookscope: see inside any PyTorch model, and change it, through PyTorch's own hooks.
+
+Capture inputs, outputs and gradients of chosen modules, extract features, intervene on
+values and gradients, tap intermediate tensors, monitor and diagnose training, and show it.
+"""
+
+from ._capture import Capture as Capture
+from ._capture import capture as capture
+from ._errors import CompiledModelError as CompiledModelError
+from ._errors import HookscopeError as HookscopeError
+from ._errors import HookscopeWarning as HookscopeWarning
+from ._errors import InterventionError as InterventionError
+from ._errors import NeverCalledWarning as NeverCalledWarning
+from ._errors import NoGradWarning as NoGradWarning
+from ._errors import NonFiniteError as NonFiniteError
+from ._errors import SelectionError as SelectionError
+from ._extract import extract as extract
+from ._intervene import Intervention as Intervention
+from ._intervene import intervene as intervene
+from ._record import Record as Record
+from ._select import select as select
+from ._sites import Site as Site
+from ._tap import Tap as Tap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Capture",
+    "CompiledModelError",
+    "HookscopeError",
+    "HookscopeWarning",
+    "InterventionError",
+    "Intervention",
+    "NeverCalledWarning",
+    "NoGradWarning",
+    "NonFiniteError",
+    "Record",
+    "SelectionError",
+    "Site",
+    "Tap",
+    "capture",
+    "extract",
+    "intervene",
+    "select",
+]

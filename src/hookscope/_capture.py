@@ -1,0 +1,289 @@
+"""capture(): keep what flows in and out of chosen modules, and the gradients of both."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections import defaultdict, deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import HookscopeError, NeverCalledWarning, NoGradWarning
+from ._hooks import HookSet, check_not_compiled, in_backward_recompute
+from ._record import Keeper, Record
+from ._select import Where, select
+from ._sites import POINTS, CallClock, alias_grad_inputs, forward_failed
+from ._tree import tensors
+
+__all__ = ["Capture", "capture"]
+
+
+class MissingRecordError(HookscopeError, KeyError):
+    """A capture has no record for the module asked for."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])
+
+
+def capture(
+    model: nn.Module,
+    where: Where,
+    what: str | Sequence[str] = ("output",),
+    keep: str = "last",
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    clone: bool = True,
+) -> Capture:
+    """Keep the inputs, outputs and gradients of the chosen modules while the block runs.
+
+    Args:
+        model: The model to watch. It is left as it was: every hook is removed on exit, also
+            when the body raised.
+        where: Which modules: a name, glob, regex, module type, predicate, or a list.
+        what: Any of ``"input"`` (positional args, and ``.kwargs``), ``"output"``,
+            ``"grad_input"``, ``"grad_output"``.
+        keep: ``"last"`` keeps the records of the last forward pass (one per call of the module
+            in that pass); ``"all"`` keeps every call of every pass.
+        device: Move what is kept to this device (``"cpu"`` saves accelerator memory).
+        dtype: Cast floating-point values that are kept to this dtype.
+        clone: Copy what is kept (the default), so a later in-place change made by the model
+            cannot alter it. With ``clone=False`` a changed value raises on read instead.
+
+    Returns:
+        A :class:`Capture`: ``cap[name]`` is the module's last :class:`Record`.
+
+    Raises:
+        SelectionError: If ``where`` matches nothing.
+        CompiledModelError: If ``model`` was already compiled (hooks would never fire).
+
+    Example:
+        >>> import torch, hookscope as hs, torch.nn as nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+        >>> with hs.capture(model, "0", what=("output", "grad_output")) as cap:
+        ...     model(torch.randn(3, 4)).sum().backward()
+        >>> cap["0"]
+        Record('0', call=0, output=f32[3, 8], grad_output=(f32[3, 8],))
+        >>> bool((cap["0"].output < 0).any())   # the value before the in-place ReLU
+        True
+    """
+    return Capture(model, where, what, keep, keeper=Keeper(device, dtype, clone))
+
+
+class Capture:
+    """Records of the chosen modules, by qualified name. Made by :func:`capture`."""
+
+    def __init__(
+        self, model: nn.Module, where: Where, what: str | Sequence[str], keep: str, *, keeper: Keeper
+    ) -> None:
+        what = (what,) if isinstance(what, str) else tuple(what)
+        for point in what:
+            if point not in POINTS:
+                raise ValueError(f"what: unknown point {point!r}; choose from {', '.join(POINTS)}")
+        if keep not in ("last", "all"):
+            raise ValueError(f"keep must be 'last' or 'all', got {keep!r}")
+        check_not_compiled(model, "capture")
+        self.names: tuple[str, ...] = tuple(select(model, where))
+        self.what, self.keep = what, keep
+        self._keeper = keeper
+        self._named = _exact_names(where, self.names)
+        self._records: dict[str, list[Record]] = {name: [] for name in self.names}
+        self._open: dict[str, list[Record | None]] = defaultdict(list)  # pre-hook -> hook
+        self._no_grad: dict[str, deque[Record]] = defaultdict(deque)  # await a recompute
+        self._hooks = HookSet("capture")
+        try:
+            self._attach(model)
+        except BaseException:
+            self._hooks.remove()
+            raise
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _attach(self, model: nn.Module) -> None:
+        self._clock = CallClock(self._hooks, model)
+        modules = dict(model.named_modules())
+        self._grads = "grad_input" in self.what or "grad_output" in self.what
+        self._uses_pre = "input" in self.what or self._grads
+        for name in self.names:
+            module = modules[name]
+            if self._uses_pre:
+                self._hooks.forward_pre(module, functools.partial(self._pre, name))
+            self._hooks.forward(module, functools.partial(self._post, name), always_call=True)
+
+    def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if in_backward_recompute():
+            # A checkpoint re-runs forward: never a new record. If the first run had no
+            # autograd (reentrant checkpoint), this run carries the gradients: attach them.
+            waiting = self._no_grad[name]
+            record = waiting.popleft() if (waiting and torch.is_grad_enabled()) else None
+            self._open[name].append(record)
+            return self._hook_grad_inputs(record, args, kwargs) if record else None
+        record = Record(name, self._clock.next(name), self._clock.pass_)
+        self._open[name].append(record)
+        if "input" in self.what:
+            record.input = self._keeper.value(args)
+            record.kwargs = self._keeper.value(kwargs)
+        if self._grads and not torch.is_grad_enabled():
+            self._no_grad[name].append(record)
+            return None
+        return self._hook_grad_inputs(record, args, kwargs)
+
+    def _hook_grad_inputs(self, record: Record, args: tuple, kwargs: dict) -> Any:
+        if "grad_input" not in self.what:
+            return None
+        record._grad_in = [None] * len(args)
+        args, indices = alias_grad_inputs(args)
+        for i in indices:
+            self._hooks.tensor(args[i], functools.partial(_store_grad, self._keeper, record, "_grad_in", i))
+        return (args, kwargs) if indices else None
+
+    def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        record = self._open[name].pop() if self._uses_pre and self._open[name] else None
+        if forward_failed(output):
+            return
+        if in_backward_recompute():
+            if record is not None:
+                self._hook_grad_outputs(record, output)
+            return
+        if record is None:
+            record = Record(name, self._clock.next(name), self._clock.pass_)
+        if "output" in self.what:
+            record.output = self._keeper.value(output)
+        if "grad_output" in self.what and torch.is_grad_enabled():
+            self._hook_grad_outputs(record, output)
+        self._store(name, record)
+
+    def _hook_grad_outputs(self, record: Record, output: Any) -> None:
+        if "grad_output" not in self.what:
+            return
+        outs = tensors(output)
+        record._grad_out = [None] * len(outs)
+        for i, t in enumerate(outs):
+            if t.requires_grad:
+                self._hooks.tensor(t, functools.partial(_store_grad, self._keeper, record, "_grad_out", i))
+
+    def _store(self, name: str, record: Record) -> None:
+        records = self._records[name]
+        if self.keep == "last" and records and (
+            records[-1]._pass != record._pass or self._clock.pass_ == 0
+        ):
+            records.clear()
+        records.append(record)
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook this capture added. The records stay readable."""
+        self._hooks.remove()
+        self._open.clear()
+
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        waiting = [name for name, queue in self._no_grad.items() if queue]
+        self.close()
+        self._no_grad.clear()
+        if exc_type is not None:
+            return
+        if waiting:
+            warnings.warn(
+                f"capture asked for gradients of {_names(waiting)}, but the forward pass ran "
+                "under torch.no_grad() or torch.inference_mode(), so no gradient was recorded. "
+                "Run the forward pass with autograd enabled and call backward() inside the "
+                "`with` block, or capture only 'input'/'output'.",
+                NoGradWarning,
+                stacklevel=2,
+            )
+        never = [name for name in self._named if not self._records[name]]
+        if never:
+            warnings.warn(_never_ran_message(never), NeverCalledWarning, stacklevel=2)
+
+    # -- reading ---------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> Record:
+        return self.all(name)[-1]
+
+    def all(self, name: str) -> list[Record]:
+        """Every record kept for ``name``, in call order."""
+        if name not in self._records:
+            import difflib
+
+            close = difflib.get_close_matches(name, self.names, n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise MissingRecordError(
+                f"{name!r} is not one of the {len(self.names)} captured modules.{hint}"
+            )
+        records = self._records[name]
+        if not records:
+            raise MissingRecordError(_never_ran_message([name]))
+        if not self._keeper.clone:
+            for record in records:
+                _check_unchanged(record)
+        return list(records)
+
+    @property
+    def missing(self) -> list[str]:
+        """Chosen modules that never ran while the hooks were attached."""
+        return [name for name, records in self._records.items() if not records]
+
+    def __contains__(self, name: object) -> bool:
+        return bool(self._records.get(name))  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, records in self._records.items() if records)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def keys(self) -> list[str]:
+        return list(self)
+
+    def items(self) -> list[tuple[str, Record]]:
+        return [(name, self[name]) for name in self]
+
+    def __repr__(self) -> str:
+        lines = [f"Capture({len(self)} of {len(self.names)} modules, what={list(self.what)})"]
+        for name in self:
+            for record in self._records[name]:
+                lines.append(f"  {record!r}")
+        if self.missing:
+            lines.append(f"  never ran: {_names(self.missing)}")
+        return "\n".join(lines)
+
+
+def _store_grad(keeper: Keeper, record: Record, slot: str, index: int, grad: torch.Tensor) -> None:
+    getattr(record, slot)[index] = keeper.tensor(grad)
+
+
+def _exact_names(where: Where, names: tuple[str, ...]) -> list[str]:
+    """The names a user spelled out exactly (warn if those never run; globs stay quiet)."""
+    items = [where] if isinstance(where, str) else (where if isinstance(where, (list, tuple)) else [])
+    return [item for item in items if isinstance(item, str) and item in names]
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _never_ran_message(names: list[str]) -> str:
+    return (
+        f"{_names(names)} never ran while hooks were attached: either the model did not use "
+        "it in this forward pass, or its parent calls `.forward(...)` on it directly, which "
+        "skips every hook. Call the module itself (`self.block(x)`, not "
+        "`self.block.forward(x)`), or choose a module that does run."
+    )
+
+
+def _check_unchanged(record: Record) -> None:
+    """With ``clone=False``, refuse to hand out a value the model changed in place later."""
+    for value in (record.input, record.kwargs, record.output):
+        for t in tensors(value):
+            if t._version != getattr(t, "_hs_version", t._version):
+                raise HookscopeError(
+                    f"the captured value of {record.name!r} (call {record.call}) was changed in "
+                    "place by the model after the hook ran (e.g. by nn.ReLU(inplace=True)), so "
+                    "it no longer holds what the module returned. Capture with clone=True (the "
+                    "default) to keep a copy."
+                )

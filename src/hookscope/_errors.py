@@ -1,0 +1,57 @@
+"""The exceptions and warnings hookscope raises.
+
+Every error says what was wrong, what was expected and what to do. Each one also inherits
+the builtin a user would naturally catch (``LookupError`` for a bad name, ``ValueError`` for a
+bad replacement), so ``except LookupError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class HookscopeError(Exception):
+    """Base class of every error hookscope raises on purpose."""
+
+
+class SelectionError(HookscopeError, LookupError):
+    """A *where* matched no module, or named one that does not exist."""
+
+
+class InterventionError(HookscopeError, ValueError):
+    """An intervention returned a value of the wrong structure, shape or type."""
+
+
+class CompiledModelError(HookscopeError, RuntimeError):
+    """Hooks were asked for on a model that ``torch.compile`` already wrapped."""
+
+
+class NonFiniteError(HookscopeError, FloatingPointError):
+    """A NaN or Inf appeared; raised by a Monitor with ``on_nonfinite="raise"``.
+
+    Attributes ``module``, ``step`` and ``phase`` (``"forward"`` or ``"backward"``) say where.
+    """
+
+    def __init__(self, message: str, *, module: str, step: int, phase: str) -> None:
+        super().__init__(message)
+        self.module = module
+        self.step = step
+        self.phase = phase
+
+
+class HookscopeWarning(UserWarning):
+    """Base class of hookscope's warnings."""
+
+
+class NeverCalledWarning(HookscopeWarning):
+    """A module chosen by exact name never ran while hooks were attached."""
+
+
+class NoGradWarning(HookscopeWarning):
+    """Gradients were asked for, but the forward pass ran without autograd."""
+
+
+def missing_extra(module: str, extra: str) -> ImportError:
+    """The error for an optional dependency that is not installed."""
+    return ImportError(
+        f"this feature needs the optional package {module!r}; "
+        f"install it with: pip install 'hookscope[{extra}]'"
+    )

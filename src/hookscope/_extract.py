@@ -1,0 +1,100 @@
+"""extract(): features from chosen modules in one forward pass that stops as early as it can."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import HookscopeError
+from ._hooks import HookSet, check_not_compiled
+from ._record import Keeper
+from ._select import Where, select
+from ._sites import forward_failed
+
+__all__ = ["extract", "training_mode"]
+
+
+class _StopForward(Exception):
+    """Raised by the hook of the last chosen module to end the forward pass there."""
+
+
+def extract(
+    model: nn.Module,
+    *inputs: Any,
+    where: Where,
+    eval: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Run one forward pass without gradients and return the outputs of the chosen modules.
+
+    The pass stops right after the last chosen module has run, so extracting an early layer
+    costs only the layers before it. A module called several times gives its first call.
+
+    Args:
+        model: The model. Its training mode is restored and no hook is left behind.
+        *inputs: Positional arguments for ``model(...)``.
+        where: Which modules (name, glob, regex, type, predicate, or a list).
+        eval: Run in eval mode (the default: dropout off, BatchNorm running statistics left
+            untouched by the partial pass); ``False`` keeps the current mode.
+        device: Move the features to this device.
+        dtype: Cast floating-point features to this dtype.
+        **kwargs: Keyword arguments for ``model(...)``.
+
+    Returns:
+        ``{name: output}`` in ``named_modules()`` order; each output is detached and copied.
+
+    Raises:
+        SelectionError: If ``where`` matches nothing.
+        HookscopeError: If a chosen module never ran (the message says why that happens).
+
+    Example:
+        >>> import torch, hookscope as hs, torch.nn as nn
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> feats = hs.extract(model, torch.randn(5, 4), where="1")
+        >>> feats["1"].shape
+        torch.Size([5, 8])
+    """
+    check_not_compiled(model, "extract")
+    chosen = select(model, where)
+    keeper = Keeper(device, dtype)
+    found: dict[str, Any] = {}
+    pending = set(chosen)
+
+    def keep(name: str, module: nn.Module, args: Any, kw: Any, output: Any) -> None:
+        if forward_failed(output) or name in found:
+            return
+        found[name] = keeper.value(output)
+        pending.discard(name)
+        if not pending:
+            raise _StopForward
+
+    with HookSet("extract") as hooks, training_mode(model, False if eval else model.training):
+        for name, module in chosen.items():
+            hooks.forward(module, functools.partial(keep, name))
+        with torch.no_grad(), contextlib.suppress(_StopForward):
+            model(*inputs, **kwargs)
+    if pending:
+        from ._capture import _never_ran_message
+
+        missing = [name for name in chosen if name in pending]
+        raise HookscopeError("extract: " + _never_ran_message(missing))
+    return {name: found[name] for name in chosen}
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module, mode: bool) -> Iterator[None]:
+    """Set ``model.train(mode)`` for the block, then restore every submodule's own flag."""
+    before = [(module, module.training) for module in model.modules()]
+    model.train(mode)
+    try:
+        yield
+    finally:
+        for module, flag in before:
+            module.training = flag

@@ -1,0 +1,140 @@
+"""The one place that registers and removes torch hooks.
+
+Every verb (capture, extract, intervene, Monitor, summary) asks a :class:`HookSet` for its
+hooks and never calls ``register_*_hook`` itself. A HookSet owns the handles it creates,
+removes exactly those (hooks put on the model by the user or other libraries are never
+touched), can be removed more than once, and is a context manager whose exit runs also when
+the body raised, ``KeyboardInterrupt`` included.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ._errors import CompiledModelError
+
+__all__ = ["HookSet", "check_not_compiled", "in_backward_recompute", "live_handles"]
+
+# Every HookSet that still holds handles; assert_no_hooks(only_hookscope=True) reads it.
+_LIVE: weakref.WeakSet[HookSet] = weakref.WeakSet()
+
+# Tensor hooks die with their tensor; prune dead handles once this many piled up.
+_PRUNE_AT = 4096
+
+
+class HookSet:
+    """Every torch hook one hookscope object added. Removing the set removes them all.
+
+    Forward hooks are registered ``with_kwargs=True``: pre-hooks are called as
+    ``fn(module, args, kwargs)`` and may return ``(args, kwargs)``; forward hooks as
+    ``fn(module, args, kwargs, output)`` and may return a new output.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._handles: list[RemovableHandle] = []
+        self._tensor_handles: list[RemovableHandle] = []
+        _LIVE.add(self)
+
+    # -- modules ---------------------------------------------------------------------------
+    def forward_pre(self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False) -> None:
+        self._keep(module.register_forward_pre_hook(fn, with_kwargs=True, prepend=prepend))
+
+    def forward(self, module: nn.Module, fn: Callable[..., Any], *, always_call: bool = False) -> None:
+        self._keep(module.register_forward_hook(fn, with_kwargs=True, always_call=always_call))
+
+    # -- tensors and parameters ------------------------------------------------------------
+    def tensor(self, t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """``t.register_hook(fn)``; the caller checks ``t.requires_grad`` first."""
+        self._tensor_handles.append(t.register_hook(fn))
+        if len(self._tensor_handles) >= _PRUNE_AT:
+            self._tensor_handles = [h for h in self._tensor_handles if _alive(h)]
+
+    def post_accumulate_grad(self, param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
+        self._keep(param.register_post_accumulate_grad_hook(fn))
+
+    # -- optimizers ------------------------------------------------------------------------
+    def optimizer_step_pre(self, opt: torch.optim.Optimizer, fn: Callable[..., Any]) -> None:
+        self._keep(opt.register_step_pre_hook(fn))
+
+    def optimizer_step_post(self, opt: torch.optim.Optimizer, fn: Callable[..., Any]) -> None:
+        self._keep(opt.register_step_post_hook(fn))
+
+    # -- lifetime --------------------------------------------------------------------------
+    def _keep(self, handle: RemovableHandle) -> None:
+        self._handles.append(handle)
+
+    def handles(self) -> list[RemovableHandle]:
+        return [*self._handles, *self._tensor_handles]
+
+    def remove(self) -> None:
+        """Remove every hook this set added. Safe to call more than once."""
+        while self._tensor_handles:
+            self._tensor_handles.pop().remove()
+        while self._handles:
+            self._handles.pop().remove()
+
+    def __len__(self) -> int:
+        return len(self._handles) + sum(_alive(h) for h in self._tensor_handles)
+
+    def __enter__(self) -> HookSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"HookSet(owner={self.owner!r}, {len(self)} hooks)"
+
+
+def _alive(handle: RemovableHandle) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
+def live_handles() -> list[RemovableHandle]:
+    """Handles of every HookSet that has not been removed yet."""
+    return [h for hs in list(_LIVE) for h in hs.handles() if _alive(h)]
+
+
+def in_backward_recompute() -> bool:
+    """True while autograd runs a backward pass, i.e. a checkpoint is re-running a forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def check_not_compiled(model: nn.Module, verb: str) -> None:
+    """Refuse a model that ``torch.compile`` wrapped: hooks added later never fire in it."""
+    compiled = _is_optimized_module(model)
+    in_place = getattr(model, "_compiled_call_impl", None) is not None
+    if not (compiled or in_place):
+        return
+    how = "torch.compile(model)" if compiled else "model.compile()"
+    raise CompiledModelError(
+        f"{verb} got a model already compiled with {how}. Hooks added after compiling are "
+        "silently ignored by the compiled graph, so nothing would be seen.\n"
+        f"Fix: attach hookscope to the eager model *before* compiling, e.g.\n"
+        f"    with hs.{verb}(model, ...):\n"
+        f"        compiled = torch.compile(model)\n"
+        f"        compiled(x)\n"
+        + (
+            "or pass the eager module inside the wrapper, `model._orig_mod`, to run without "
+            "compilation."
+            if compiled
+            else "or run the model uncompiled for this call."
+        )
+    )
+
+
+def _is_optimized_module(model: nn.Module) -> bool:
+    # Look only in sys.modules: if dynamo was never imported, nothing was compiled, and
+    # importing it just to check would cost a second.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(model, optimized)

@@ -1,0 +1,222 @@
+"""intervene(): edit inputs, outputs and gradients of chosen modules (ablate, patch, steer, clip)."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import InterventionError, NoGradWarning
+from ._hooks import HookSet, check_not_compiled, in_backward_recompute
+from ._select import Where, select
+from ._sites import POINTS, CallClock, Site, alias_grad_inputs, forward_failed
+from ._tree import describe, same_structure, tensors
+
+__all__ = ["Intervention", "intervene"]
+
+EditFn = Callable[[Any, Site], Any]
+
+
+def intervene(
+    model: nn.Module,
+    edits: Mapping[Any, EditFn] | Where,
+    fn: EditFn | None = None,
+    *,
+    at: str = "output",
+) -> Intervention:
+    """Change values at the chosen modules while the block runs.
+
+    ``fn(value, site) -> None | replacement`` is called at each chosen module; ``None`` keeps
+    the value, anything else replaces it and must have the same structure and shapes.
+
+    - ``at="output"``: ``value`` is what the module returned (tensor, tuple, dict, ...).
+    - ``at="input"``: ``value`` is the tuple of positional arguments; a module with one
+      positional argument may also get a bare tensor back.
+    - ``at="grad_output"`` / ``"grad_input"``: called once per tensor with its gradient during
+      ``backward()``; ``site.index`` says which output (or positional input) it belongs to.
+      Gradient edits work with in-place ops after the module and on dict/dataclass outputs.
+
+    Args:
+        model: The model to edit. Hooks are removed on exit, also when the body raised.
+        edits: ``{where: fn}``, or a single *where* with ``fn`` given next.
+        fn: The function, when ``edits`` is a single *where*.
+        at: ``"input"``, ``"output"`` (default), ``"grad_input"`` or ``"grad_output"``.
+
+    Raises:
+        SelectionError: If a *where* matches nothing.
+        InterventionError: During the forward or backward pass, if a function returns a
+            replacement of the wrong structure or shape (the message names the site).
+
+    Example:
+        >>> import torch, hookscope as hs, torch.nn as nn
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> with hs.intervene(model, {"1": lambda out, site: out * 0}):
+        ...     y = model(torch.randn(3, 4))
+        >>> torch.equal(y, model[2].bias.expand(3, 2))
+        True
+    """
+    if at not in POINTS:
+        raise ValueError(f"at: unknown point {at!r}; choose from {', '.join(POINTS)}")
+    if fn is not None:
+        edits = {_hashable(edits): fn}
+    elif not isinstance(edits, Mapping):
+        raise TypeError(
+            "intervene needs {where: fn} or (where, fn), e.g. "
+            "hs.intervene(model, {'layer2': lambda out, site: out * 0})"
+        )
+    return Intervention(model, edits, at)
+
+
+def _hashable(where: Any) -> Any:
+    return tuple(where) if isinstance(where, list) else where
+
+
+class Intervention:
+    """The hooks of one :func:`intervene` call; a context manager. ``close()`` removes them."""
+
+    def __init__(self, model: nn.Module, edits: Mapping[Any, EditFn], at: str) -> None:
+        check_not_compiled(model, "intervene")
+        for where, fn in edits.items():
+            if not callable(fn):
+                raise TypeError(f"intervene: the edit for {where!r} must be callable, got {fn!r}")
+        plan: dict[str, list[EditFn]] = {}
+        for where, fn in edits.items():
+            chosen = select(model, list(where) if isinstance(where, tuple) else where)
+            for name in chosen:
+                plan.setdefault(name, []).append(fn)
+        self.at = at
+        self.names = tuple(plan)
+        self._no_grad: list[str] = []
+        self._hooks = HookSet("intervene")
+        try:
+            self._clock = CallClock(self._hooks, model)
+            modules = dict(model.named_modules())
+            for name, fns in plan.items():
+                self._attach(name, modules[name], fns)
+        except BaseException:
+            self._hooks.remove()
+            raise
+
+    def _attach(self, name: str, module: nn.Module, fns: list[EditFn]) -> None:
+        if self.at == "output":
+            self._hooks.forward(module, functools.partial(self._edit_output, name, fns))
+        elif self.at == "input":
+            self._hooks.forward_pre(module, functools.partial(self._edit_input, name, fns))
+        elif self.at == "grad_output":
+            self._hooks.forward(module, functools.partial(self._hook_grad_output, name, fns))
+        else:
+            self._hooks.forward_pre(module, functools.partial(self._hook_grad_input, name, fns))
+
+    def _site(self, name: str, module: nn.Module, index: int | None = None) -> Site:
+        recompute = in_backward_recompute()
+        call = self._clock.next_recompute(name) if recompute else self._clock.next(name)
+        return Site(name, module, call, self.at, index)
+
+    # -- forward edits (applied the same way when a checkpoint re-runs forward) ------------
+    def _edit_output(self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if forward_failed(output):
+            return None
+        site = self._site(name, module)
+        value = output
+        for fn in fns:
+            value = _apply(fn, value, site)
+        return None if value is output else value
+
+    def _edit_input(self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        site = self._site(name, module)
+        value = args
+        for fn in fns:
+            new = fn(value, site)
+            if new is None:
+                continue
+            if isinstance(new, torch.Tensor) and len(value) == 1:
+                new = (new,)
+            _check(value, new, site)
+            value = new
+        return None if value is args else (value, kwargs)
+
+    # -- gradient edits: tensor hooks set up during forward ----------------------------------
+    def _hook_grad_output(self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if forward_failed(output):
+            return
+        if not torch.is_grad_enabled():
+            self._no_grad.append(name)
+            return
+        call = self._site(name, module).call
+        for i, t in enumerate(tensors(output)):
+            if t.requires_grad:
+                site = Site(name, module, call, self.at, i)
+                self._hooks.tensor(t, functools.partial(_edit_grad, fns, site))
+
+    def _hook_grad_input(self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not torch.is_grad_enabled():
+            self._no_grad.append(name)
+            return None
+        call = self._site(name, module).call
+        args, indices = alias_grad_inputs(args)
+        for i in indices:
+            site = Site(name, module, call, self.at, i)
+            self._hooks.tensor(args[i], functools.partial(_edit_grad, fns, site))
+        return (args, kwargs) if indices else None
+
+    # -- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook this intervention added. Safe to call more than once."""
+        self._hooks.remove()
+
+    def __enter__(self) -> Intervention:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close()
+        if exc_type is None and self._no_grad and self.at.startswith("grad"):
+            names = sorted(set(self._no_grad))
+            warnings.warn(
+                f"intervene at {self.at!r} on {', '.join(map(repr, names[:5]))}: the forward pass "
+                "ran under torch.no_grad() or torch.inference_mode(), so there was no gradient "
+                "to edit. Run the forward pass with autograd enabled.",
+                NoGradWarning,
+                stacklevel=2,
+            )
+
+    def __repr__(self) -> str:
+        return f"Intervention(at={self.at!r}, {len(self.names)} modules: {', '.join(self.names[:5])})"
+
+
+def _apply(fn: EditFn, value: Any, site: Site) -> Any:
+    new = fn(value, site)
+    if new is None:
+        return value
+    _check(value, new, site)
+    return new
+
+
+def _edit_grad(fns: list[EditFn], site: Site, grad: torch.Tensor) -> torch.Tensor | None:
+    value = grad
+    for fn in fns:
+        new = fn(value, site)
+        if new is None:
+            continue
+        if not isinstance(new, torch.Tensor):
+            raise InterventionError(
+                f"intervene at {site.at!r} of {site.name!r} (call {site.call}, tensor "
+                f"{site.index}): the function must return a tensor or None, got {describe(new)}"
+            )
+        _check(value, new, site)
+        value = new
+    return None if value is grad else value
+
+
+def _check(old: Any, new: Any, site: Site) -> None:
+    problem = same_structure(old, new)
+    if problem is not None:
+        index = "" if site.index is None else f", tensor {site.index}"
+        raise InterventionError(
+            f"intervene at {site.at!r} of {site.name!r} (call {site.call}{index}): the replacement "
+            f"does not fit: {problem}. Return a value with the same structure and shapes as the "
+            "one received, or None to keep it."
+        )

@@ -1,0 +1,69 @@
+"""Helpers for users' own tests: check that no hook was left behind on a model.
+
+Example:
+    >>> import torch, hookscope as hs, torch.nn as nn
+    >>> from hookscope.testing import assert_no_hooks
+    >>> model = nn.Sequential(nn.Linear(2, 2))
+    >>> with hs.capture(model, "0"):
+    ...     _ = model(torch.ones(1, 2))
+    >>> assert_no_hooks(model)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ._hooks import live_handles
+
+__all__ = ["assert_no_hooks", "hooks_on"]
+
+_MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+def hooks_on(model: nn.Module, *, only_hookscope: bool = False) -> list[str]:
+    """Describe every hook found on ``model``'s modules, parameters and buffers.
+
+    Args:
+        model: The model to inspect.
+        only_hookscope: Report only hooks that hookscope added and has not removed yet.
+
+    Returns:
+        One line per hook, e.g. ``"layer1.0.conv1: _forward_hooks"``.
+    """
+    ours = {(id(h.hooks_dict_ref()), h.id) for h in live_handles()} if only_hookscope else None
+    found = []
+    for name, module in model.named_modules():
+        label = name or "<root>"
+        for attr in _MODULE_HOOK_DICTS:
+            for hook_id in getattr(module, attr, {}) or {}:
+                if ours is None or (id(getattr(module, attr)), hook_id) in ours:
+                    found.append(f"{label}: {attr}")
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            hooks = getattr(tensor, attr, None) or {}
+            for hook_id in hooks:
+                if ours is None or (id(hooks), hook_id) in ours:
+                    found.append(f"{name}: {attr}")
+    return found
+
+
+def assert_no_hooks(model: nn.Module, *, only_hookscope: bool = False) -> None:
+    """Fail if ``model`` still carries hooks.
+
+    Args:
+        model: The model to check.
+        only_hookscope: Check only for hooks added by hookscope, ignoring the user's own and
+            other libraries' hooks.
+
+    Raises:
+        AssertionError: Listing each hook found and where.
+    """
+    found = hooks_on(model, only_hookscope=only_hookscope)
+    if found:
+        whose = "hookscope hooks" if only_hookscope else "hooks"
+        raise AssertionError(f"{len(found)} {whose} left on the model:\n  " + "\n  ".join(found))
