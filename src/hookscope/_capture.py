@@ -15,7 +15,7 @@ from ._errors import HookscopeError, NeverCalledWarning, NoGradWarning
 from ._hooks import HookSet, check_not_compiled, in_backward_recompute
 from ._record import Keeper, Record
 from ._select import Where, select
-from ._sites import POINTS, CallClock, alias_grad_inputs, forward_failed
+from ._sites import POINTS, CallClock, alias_grad_inputs, alias_grad_outputs, forward_failed
 from ._tree import tensors
 
 __all__ = ["Capture", "capture"]
@@ -139,30 +139,30 @@ class Capture:
             self._hooks.tensor(args[i], functools.partial(_store_grad, self._keeper, record, "_grad_in", i))
         return (args, kwargs) if indices else None
 
-    def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         record = self._open[name].pop() if self._uses_pre and self._open[name] else None
         if forward_failed(output):
-            return
+            return None
         if in_backward_recompute():
-            if record is not None:
-                self._hook_grad_outputs(record, output)
-            return
+            return self._hook_grad_outputs(record, output, args, kwargs) if record is not None else None
         if record is None:
             record = Record(name, self._clock.next(name), self._clock.pass_)
         if "output" in self.what:
             record.output = self._keeper.value(output)
-        if "grad_output" in self.what and torch.is_grad_enabled():
-            self._hook_grad_outputs(record, output)
         self._store(name, record)
+        if "grad_output" in self.what and torch.is_grad_enabled():
+            return self._hook_grad_outputs(record, output, args, kwargs)
+        return None
 
-    def _hook_grad_outputs(self, record: Record, output: Any) -> None:
+    def _hook_grad_outputs(self, record: Record, output: Any, args: tuple, kwargs: dict) -> Any:
         if "grad_output" not in self.what:
-            return
-        outs = tensors(output)
-        record._grad_out = [None] * len(outs)
-        for i, t in enumerate(outs):
-            if t.requires_grad:
+            return None
+        new, aliases = alias_grad_outputs(output, args, kwargs)
+        record._grad_out = [None] * len(tensors(output))
+        for i, t in enumerate(aliases):
+            if t is not None:
                 self._hooks.tensor(t, functools.partial(_store_grad, self._keeper, record, "_grad_out", i))
+        return None if new is output else new
 
     def _store(self, name: str, record: Record) -> None:
         records = self._records[name]

@@ -13,8 +13,8 @@ from torch import nn
 from ._errors import InterventionError, NoGradWarning
 from ._hooks import HookSet, check_not_compiled, in_backward_recompute
 from ._select import Where, select
-from ._sites import POINTS, CallClock, Site, alias_grad_inputs, forward_failed
-from ._tree import describe, same_structure, tensors
+from ._sites import POINTS, CallClock, Site, alias_grad_inputs, alias_grad_outputs, forward_failed
+from ._tree import describe, same_structure
 
 __all__ = ["Intervention", "intervene"]
 
@@ -140,17 +140,19 @@ class Intervention:
         return None if value is args else (value, kwargs)
 
     # -- gradient edits: tensor hooks set up during forward ----------------------------------
-    def _hook_grad_output(self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _hook_grad_output(self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if forward_failed(output):
-            return
+            return None
         if not torch.is_grad_enabled():
             self._no_grad.append(name)
-            return
+            return None
         call = self._site(name, module).call
-        for i, t in enumerate(tensors(output)):
-            if t.requires_grad:
+        new, aliases = alias_grad_outputs(output, args, kwargs)
+        for i, t in enumerate(aliases):
+            if t is not None:
                 site = Site(name, module, call, self.at, i)
                 self._hooks.tensor(t, functools.partial(_edit_grad, fns, site))
+        return None if new is output else new
 
     def _hook_grad_input(self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if not torch.is_grad_enabled():

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from ._hooks import HookSet, in_backward_recompute
+from ._tree import map_tensors, tensors
 
-__all__ = ["CallClock", "Site", "alias_grad_inputs", "forward_failed"]
+__all__ = ["CallClock", "Site", "alias_grad_inputs", "alias_grad_outputs", "forward_failed"]
 
 POINTS = ("input", "output", "grad_input", "grad_output")
 
@@ -81,20 +82,54 @@ class CallClock:
 
 
 def alias_grad_inputs(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]]:
-    """Replace each positional tensor that needs a gradient by a fresh alias of itself.
+    """Replace each positional tensor that needs a gradient by a copy of itself.
 
-    A hook on the alias sees exactly the gradient that flows back *through this module*,
-    not the sum over every other use of the same tensor (a residual stream feeds many).
-    Values, strides and storage are unchanged.
+    A hook on the copy sees exactly the gradient that flows back *through this module*, not
+    the sum over every other use of the same tensor (a residual stream feeds many). A copy,
+    not a view: a hook on a view is dropped when the module changes it in place
+    (``nn.ReLU(inplace=True)``, ``x += y``). Values and gradients are unchanged.
     """
     if not torch.is_grad_enabled():
         return args, []
     new, indices = list(args), []
     for i, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor) and arg.requires_grad and arg.layout == torch.strided:
-            new[i] = arg.view_as(arg)
+        if isinstance(arg, torch.Tensor) and arg.requires_grad:
+            new[i] = arg.clone()
             indices.append(i)
     return (tuple(new), indices) if indices else (args, [])
+
+
+def alias_grad_outputs(
+    output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, list[torch.Tensor | None]]:
+    """Tensors to hook for the gradient of each output slot, and the output to return.
+
+    Returns the output to pass on (``output`` itself when nothing changed) and, per tensor of
+    the output in :func:`tensors` order, the tensor to hook (``None`` where no gradient).
+
+    The common case, one output tensor that is not one of the inputs, is hooked as it is:
+    no copy, and the hook survives later in-place ops. Otherwise each output tensor is
+    replaced by a copy, so that its hook sees the gradient of *that slot* only: not the part
+    flowing into other outputs computed from it inside the module (attention weights feed
+    the attention output), nor other uses of a tensor an identity-like module passed through.
+    """
+    if not torch.is_grad_enabled():
+        return output, []
+    outs = tensors(output)
+    if len(outs) == 1 and outs[0].requires_grad:
+        inputs = {id(t) for t in tensors(args)} | {id(t) for t in tensors(kwargs)}
+        if id(outs[0]) not in inputs:
+            return output, outs
+    hooked: list[torch.Tensor | None] = []
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone() if t.requires_grad else t
+        hooked.append(t if t.requires_grad else None)
+        return t
+
+    if not any(t.requires_grad for t in outs):
+        return output, [None] * len(outs)
+    return map_tensors(copy, output), hooked
 
 
 def forward_failed(output: Any) -> bool:
