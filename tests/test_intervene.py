@@ -1,0 +1,148 @@
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+from hookscope.testing import assert_no_hooks
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def test_output_edit_replaces_the_output_and_is_removed_after() -> None:
+    model, x = mlp(), torch.randn(3, 4)
+    with hs.intervene(model, {"1": lambda out, site: out * 0}) as edit:
+        y = model(x)
+    assert torch.equal(y, model[2].bias.expand(3, 2))
+    assert "Intervention(at='output'" in repr(edit)
+    assert not torch.equal(model(x), y)
+    assert_no_hooks(model)
+
+
+def test_input_edit_returns_a_new_input_bare_or_as_tuple() -> None:
+    model, x = mlp(), torch.randn(3, 4)
+    with hs.intervene(model, "0", lambda args, site: args[0] * 2, at="input"):
+        bare = model(x)
+    with hs.intervene(model, "0", lambda args, site: (args[0] * 2,), at="input"):
+        tupled = model(x)
+    assert torch.equal(bare, model(x * 2)) and torch.equal(tupled, bare)
+
+
+def test_backward_edit_returns_a_new_grad_input() -> None:
+    model = mlp()
+    x = torch.randn(3, 4, requires_grad=True)
+    with hs.intervene(model, {"0": lambda g, site: torch.zeros_like(g)}, at="grad_input"):
+        model(x).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert model[0].weight.grad.abs().sum() > 0  # only the gradient to the input was changed
+
+
+def test_grad_output_edit_scales_parameter_gradients() -> None:
+    model, x = mlp(), torch.randn(3, 4)
+    model(x).sum().backward()
+    reference = model[0].weight.grad.clone()
+    model.zero_grad()
+    with hs.intervene(model, "0", lambda g, site: g * 3, at="grad_output"):
+        model(x).sum().backward()
+    assert torch.allclose(model[0].weight.grad, reference * 3)
+
+
+def test_tensor_gradient_edit_on_an_intermediate_value_through_a_tap() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tap_h = hs.Tap()
+
+        def forward(self, x):
+            h = self.tap_h(x * 2)
+            return (h * h).sum()
+
+    x = torch.randn(5, requires_grad=True)
+    with hs.intervene(Net(), "tap_h", lambda g, site: g + 2, at="grad_output"):
+        Net()  # a second instance is not affected
+    net = Net()
+    with hs.intervene(net, "tap_h", lambda g, site: g + 2, at="grad_output"):
+        net(x).backward()
+    # Oracle: the seed's Tensor.register_hook(lambda grad: grad + 2) on the intermediate.
+    x2 = x.detach().clone().requires_grad_()
+    h = x2 * 2
+    h.register_hook(lambda g: g + 2)
+    (h * h).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_gradient_edit_works_with_inplace_relu_after_the_module() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    with hs.intervene(model, "0", lambda g, site: g * 0, at="grad_output"):
+        model(x).sum().backward()
+    assert torch.equal(model[0].weight.grad, torch.zeros(4, 4))
+
+
+def test_wrong_shape_is_a_clear_error_naming_the_site_and_both_shapes() -> None:
+    model = mlp()
+    with pytest.raises(hs.InterventionError, match=r"'1'.*expected f32\[3, 4\], got f32\[3, 5\]"):
+        with hs.intervene(model, {"1": lambda out, site: torch.zeros(3, 5)}):
+            model(torch.randn(3, 4))
+    assert_no_hooks(model)
+
+
+def test_wrong_structure_is_a_clear_error() -> None:
+    model = mlp()
+    with pytest.raises(hs.InterventionError, match="expected f32.*got \\("):
+        with hs.intervene(model, {"1": lambda out, site: (out, out)}):
+            model(torch.randn(3, 4))
+    with pytest.raises(hs.InterventionError, match="must return a tensor or None"):
+        with hs.intervene(model, "0", lambda g, site: 1.0, at="grad_output"):
+            model(torch.randn(3, 4)).sum().backward()
+    assert_no_hooks(model)
+
+
+def test_site_tells_name_call_and_index() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(self.fc(x))
+
+    seen = []
+    model = Twice()
+    with hs.intervene(model, "fc", lambda out, site: seen.append((site.name, site.call))):
+        model(torch.ones(1, 2))
+        model(torch.ones(1, 2))
+    assert seen == [("fc", 0), ("fc", 1), ("fc", 0), ("fc", 1)]
+    seen.clear()
+    with hs.intervene(model, "fc", lambda g, site: seen.append((site.call, site.index)), at="grad_output"):
+        model(torch.ones(1, 2)).sum().backward()
+    assert sorted(seen) == [(0, 0), (1, 0)]
+
+
+def test_edit_only_the_second_call_of_a_shared_module() -> None:
+    fc = nn.Linear(2, 2)
+    model = nn.Sequential(fc, fc)
+    x = torch.randn(1, 2)
+    with hs.intervene(model, "0", lambda out, site: out * 0 if site.call == 1 else None):
+        y = model(x)
+    assert torch.equal(y, torch.zeros(1, 2))
+    # named_modules() lists the shared module once, under its first name
+
+
+def test_not_callable_and_unknown_point_fail_before_any_hook() -> None:
+    model = mlp()
+    with pytest.raises(TypeError, match="callable"):
+        hs.intervene(model, {"0": 3})
+    with pytest.raises(ValueError, match="grad_output"):
+        hs.intervene(model, {"0": lambda v, s: None}, at="weights")
+    with pytest.raises(hs.SelectionError):
+        hs.intervene(model, {"nope": lambda v, s: None})
+    assert_no_hooks(model)
+
+
+def test_no_grad_gradient_edit_warns() -> None:
+    model = mlp()
+    with pytest.warns(hs.NoGradWarning):
+        with hs.intervene(model, "0", lambda g, s: g, at="grad_output"), torch.no_grad():
+            model(torch.randn(1, 4))
