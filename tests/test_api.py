@@ -6,8 +6,17 @@ import sys
 import hookscope as hs
 
 CONTRACT = [
-    "select", "SelectionError", "capture", "extract", "intervene", "Tap",
-    "Monitor", "Finding", "NonFiniteError", "summary", "report",
+    "select",
+    "SelectionError",
+    "capture",
+    "extract",
+    "intervene",
+    "Tap",
+    "Monitor",
+    "Finding",
+    "NonFiniteError",
+    "summary",
+    "report",
 ]
 
 

@@ -95,8 +95,10 @@ class UsesStructured(nn.Module):
 
     def forward(self, x):
         out = self.inner(x)
-        a, b = (out["a"], out["b"]) if isinstance(out, dict) else (
-            (out.a, out.b) if isinstance(out, Out) else (out[0], out[1][0])
+        a, b = (
+            (out["a"], out["b"])
+            if isinstance(out, dict)
+            else ((out.a, out.b) if isinstance(out, Out) else (out[0], out[1][0]))
         )
         return (a * 3 + b).sum()
 

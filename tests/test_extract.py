@@ -17,7 +17,9 @@ class Counting(nn.Module):
 
 
 def stack() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(inplace=True), Counting(), nn.Linear(4, 2))
+    return nn.Sequential(
+        nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(inplace=True), Counting(), nn.Linear(4, 2)
+    )
 
 
 def test_extract_returns_features_and_stops_after_the_last_chosen_module() -> None:

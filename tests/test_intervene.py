@@ -115,7 +115,9 @@ def test_site_tells_name_call_and_index() -> None:
         model(torch.ones(1, 2))
     assert seen == [("fc", 0), ("fc", 1), ("fc", 0), ("fc", 1)]
     seen.clear()
-    with hs.intervene(model, "fc", lambda g, site: seen.append((site.call, site.index)), at="grad_output"):
+    with hs.intervene(
+        model, "fc", lambda g, site: seen.append((site.call, site.index)), at="grad_output"
+    ):
         model(torch.ones(1, 2)).sum().backward()
     assert sorted(seen) == [(0, 0), (1, 0)]
 

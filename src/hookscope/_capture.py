@@ -77,7 +77,13 @@ class Capture:
     """Records of the chosen modules, by qualified name. Made by :func:`capture`."""
 
     def __init__(
-        self, model: nn.Module, where: Where, what: str | Sequence[str], keep: str, *, keeper: Keeper
+        self,
+        model: nn.Module,
+        where: Where,
+        what: str | Sequence[str],
+        keep: str,
+        *,
+        keeper: Keeper,
     ) -> None:
         what = (what,) if isinstance(what, str) else tuple(what)
         for point in what:
@@ -136,7 +142,9 @@ class Capture:
         record._grad_in = [None] * len(args)
         args, indices = alias_grad_inputs(args)
         for i in indices:
-            self._hooks.tensor(args[i], functools.partial(_store_grad, self._keeper, record, "_grad_in", i))
+            self._hooks.tensor(
+                args[i], functools.partial(_store_grad, self._keeper, record, "_grad_in", i)
+            )
         return (args, kwargs) if indices else None
 
     def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -144,7 +152,11 @@ class Capture:
         if forward_failed(output):
             return None
         if in_backward_recompute():
-            return self._hook_grad_outputs(record, output, args, kwargs) if record is not None else None
+            return (
+                self._hook_grad_outputs(record, output, args, kwargs)
+                if record is not None
+                else None
+            )
         if record is None:
             record = Record(name, self._clock.next(name), self._clock.pass_)
         if "output" in self.what:
@@ -161,13 +173,17 @@ class Capture:
         record._grad_out = [None] * len(tensors(output))
         for i, t in enumerate(aliases):
             if t is not None:
-                self._hooks.tensor(t, functools.partial(_store_grad, self._keeper, record, "_grad_out", i))
+                self._hooks.tensor(
+                    t, functools.partial(_store_grad, self._keeper, record, "_grad_out", i)
+                )
         return None if new is output else new
 
     def _store(self, name: str, record: Record) -> None:
         records = self._records[name]
-        if self.keep == "last" and records and (
-            records[-1]._pass != record._pass or self._clock.pass_ == 0
+        if (
+            self.keep == "last"
+            and records
+            and (records[-1]._pass != record._pass or self._clock.pass_ == 0)
         ):
             records.clear()
         records.append(record)
@@ -258,7 +274,9 @@ def _store_grad(keeper: Keeper, record: Record, slot: str, index: int, grad: tor
 
 def _exact_names(where: Where, names: tuple[str, ...]) -> list[str]:
     """The names a user spelled out exactly (warn if those never run; globs stay quiet)."""
-    items = [where] if isinstance(where, str) else (where if isinstance(where, (list, tuple)) else [])
+    items = (
+        [where] if isinstance(where, str) else (where if isinstance(where, (list, tuple)) else [])
+    )
     return [item for item in items if isinstance(item, str) and item in names]
 
 

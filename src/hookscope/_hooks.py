@@ -44,10 +44,14 @@ class HookSet:
         _LIVE.add(self)
 
     # -- modules ---------------------------------------------------------------------------
-    def forward_pre(self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False) -> None:
+    def forward_pre(
+        self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
+    ) -> None:
         self._keep(module.register_forward_pre_hook(fn, with_kwargs=True, prepend=prepend))
 
-    def forward(self, module: nn.Module, fn: Callable[..., Any], *, always_call: bool = False) -> None:
+    def forward(
+        self, module: nn.Module, fn: Callable[..., Any], *, always_call: bool = False
+    ) -> None:
         self._keep(module.register_forward_hook(fn, with_kwargs=True, always_call=always_call))
 
     # -- tensors and parameters ------------------------------------------------------------

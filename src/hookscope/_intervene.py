@@ -117,7 +117,9 @@ class Intervention:
         return Site(name, module, call, self.at, index)
 
     # -- forward edits (applied the same way when a checkpoint re-runs forward) ------------
-    def _edit_output(self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    def _edit_output(
+        self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> Any:
         if forward_failed(output):
             return None
         site = self._site(name, module)
@@ -126,7 +128,9 @@ class Intervention:
             value = _apply(fn, value, site)
         return None if value is output else value
 
-    def _edit_input(self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _edit_input(
+        self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict
+    ) -> Any:
         site = self._site(name, module)
         value = args
         for fn in fns:
@@ -140,7 +144,9 @@ class Intervention:
         return None if value is args else (value, kwargs)
 
     # -- gradient edits: tensor hooks set up during forward ----------------------------------
-    def _hook_grad_output(self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    def _hook_grad_output(
+        self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> Any:
         if forward_failed(output):
             return None
         if not torch.is_grad_enabled():
@@ -154,7 +160,9 @@ class Intervention:
                 self._hooks.tensor(t, functools.partial(_edit_grad, fns, site))
         return None if new is output else new
 
-    def _hook_grad_input(self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _hook_grad_input(
+        self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict
+    ) -> Any:
         if not torch.is_grad_enabled():
             self._no_grad.append(name)
             return None
@@ -186,7 +194,9 @@ class Intervention:
             )
 
     def __repr__(self) -> str:
-        return f"Intervention(at={self.at!r}, {len(self.names)} modules: {', '.join(self.names[:5])})"
+        return (
+            f"Intervention(at={self.at!r}, {len(self.names)} modules: {', '.join(self.names[:5])})"
+        )
 
 
 def _apply(fn: EditFn, value: Any, site: Site) -> Any:

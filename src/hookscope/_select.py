@@ -131,9 +131,13 @@ def _nothing_matched(model: nn.Module, modules: dict[str, nn.Module], where: Whe
         if not close and (_GLOB_CHARS & set(where)):
             literal = where.replace("**", "").replace("*", "").strip(".")
             close = [name for name in names if literal and literal in name][:3]
-        head = f"No module named {where!r} in {kind}" if not (_GLOB_CHARS & set(where)) else (
-            f"The glob {where!r} matched no module of {kind} (globs never match the root; "
-            "'*' stays inside one dotted segment, '**' crosses segments)"
+        head = (
+            f"No module named {where!r} in {kind}"
+            if not (_GLOB_CHARS & set(where))
+            else (
+                f"The glob {where!r} matched no module of {kind} (globs never match the root; "
+                "'*' stays inside one dotted segment, '**' crosses segments)"
+            )
         )
     else:
         close, head = [], f"{_describe_where(where)} matched no module of {kind}"

@@ -65,15 +65,17 @@ def describe(obj: Any) -> str:
     """A short structural description: ``f32[2, 8]``, ``(f32[2, 8], None)``, ``{logits: ...}``."""
     if isinstance(obj, torch.Tensor):
         return tensor_summary(obj)
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields") or isinstance(obj, list):
+    if (isinstance(obj, tuple) and not hasattr(obj, "_fields")) or isinstance(obj, list):
         inner = ", ".join(describe(item) for item in obj)
-        return f"({inner},)" if isinstance(obj, tuple) and len(obj) == 1 else (
-            f"({inner})" if isinstance(obj, tuple) else f"[{inner}]"
+        return (
+            f"({inner},)"
+            if isinstance(obj, tuple) and len(obj) == 1
+            else (f"({inner})" if isinstance(obj, tuple) else f"[{inner}]")
         )
     if isinstance(obj, Mapping):
         inner = ", ".join(f"{key}: {describe(value)}" for key, value in obj.items())
         return f"{type(obj).__name__}({inner})" if type(obj) is not dict else f"{{{inner}}}"
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) or hasattr(obj, "_fields"):
+    if (dataclasses.is_dataclass(obj) and not isinstance(obj, type)) or hasattr(obj, "_fields"):
         names = (
             [f.name for f in dataclasses.fields(obj)]
             if dataclasses.is_dataclass(obj)
@@ -87,9 +89,18 @@ def describe(obj: Any) -> str:
 
 
 _DTYPE_SHORT = {
-    torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.bfloat16: "bf16",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
 }
 
 
@@ -111,8 +122,10 @@ def same_structure(old: Any, new: Any) -> str | None:
     ):
         return f"expected {describe(old)}, got {describe(new)}"
     if len(old_t) != len(new_t):
-        return f"expected {len(old_t)} tensors ({describe(old)}), got {len(new_t)} ({describe(new)})"
-    for i, (a, b) in enumerate(zip(old_t, new_t)):
+        return (
+            f"expected {len(old_t)} tensors ({describe(old)}), got {len(new_t)} ({describe(new)})"
+        )
+    for i, (a, b) in enumerate(zip(old_t, new_t, strict=True)):
         if a.shape != b.shape:
             where = "" if len(old_t) == 1 else f" (tensor {i})"
             return f"shape{where} expected {tensor_summary(a)}, got {tensor_summary(b)}"
