@@ -114,26 +114,30 @@ def in_backward_recompute() -> bool:
 
 
 def check_not_compiled(model: nn.Module, verb: str) -> None:
-    """Refuse a model that ``torch.compile`` wrapped: hooks added later never fire in it."""
-    compiled = _is_optimized_module(model)
-    in_place = getattr(model, "_compiled_call_impl", None) is not None
-    if not (compiled or in_place):
-        return
-    how = "torch.compile(model)" if compiled else "model.compile()"
-    raise CompiledModelError(
-        f"{verb} got a model already compiled with {how}. Hooks added after compiling are "
-        "silently ignored by the compiled graph, so nothing would be seen.\n"
-        f"Fix: attach hookscope to the eager model *before* compiling, e.g.\n"
-        f"    with hs.{verb}(model, ...):\n"
-        f"        compiled = torch.compile(model)\n"
-        f"        compiled(x)\n"
-        + (
-            "or pass the eager module inside the wrapper, `model._orig_mod`, to run without "
-            "compilation."
-            if compiled
-            else "or run the model uncompiled for this call."
+    """Refuse a model that ``torch.compile`` already wrapped, in whole or in part.
+
+    Hooks added to a compiled module are silently ignored by its compiled graph
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so nothing would be seen.
+    """
+    for name, module in model.named_modules():
+        wrapped = _is_optimized_module(module)
+        if not wrapped and getattr(module, "_compiled_call_impl", None) is None:
+            continue
+        what = "the model" if not name else f"its submodule {name!r}"
+        how = "torch.compile(...)" if wrapped else ".compile()"
+        raise CompiledModelError(
+            f"{verb}: {what} is already compiled with {how}. Hooks added after compiling are "
+            "silently ignored by the compiled graph, so nothing would be seen.\n"
+            f"Fix: attach hookscope to the eager model *before* compiling, e.g.\n"
+            f"    with hs.{verb}(model, ...):\n"
+            f"        compiled = torch.compile(model)\n"
+            f"        compiled(x)\n"
+            + (
+                "or pass the eager module the wrapper holds, `._orig_mod`, to run it uncompiled."
+                if wrapped
+                else "or run the model uncompiled for this call."
+            )
         )
-    )
 
 
 def _is_optimized_module(model: nn.Module) -> bool:
