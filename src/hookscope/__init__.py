@@ -18,8 +18,10 @@ from ._extract import extract as extract
 from ._intervene import Intervention as Intervention
 from ._intervene import intervene as intervene
 from ._record import Record as Record
+from ._report import report as report
 from ._select import select as select
 from ._sites import Site as Site
+from ._summary import summary as summary
 from ._tap import Tap as Tap
 
 __version__ = "0.1.0"
@@ -41,5 +43,7 @@ __all__ = [
     "capture",
     "extract",
     "intervene",
+    "report",
     "select",
+    "summary",
 ]

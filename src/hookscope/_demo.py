@@ -1,0 +1,187 @@
+"""The `hookscope demo`: a small CNN trained on scikit-learn's bundled digits, monitored.
+
+Each ``fault`` injects one pathology into an otherwise healthy run, so that the Monitor's
+finding appears on the layer named in :data:`FAULTS`:
+
+- ``nan``: one step's output of ``features.3`` (the second conv) holds NaNs, as an overflow
+  would leave them; the step is skipped, as a guarded training loop does.
+- ``dead``: ``features.4`` (the second BatchNorm) gets a shift of -20, so the ReLU after it
+  (``features.5``) never fires again.
+- ``explode`` / ``vanish``: the gradient leaving ``classifier.1`` towards its input is
+  multiplied by 1e6 / 1e-9 (an intervention at ``grad_input``), so every earlier layer sees
+  an exploding / vanishing gradient, starting with ``features.6``, the layer feeding it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._errors import HookscopeError, missing_extra
+
+__all__ = ["FAULTS", "DemoResult", "DigitsCNN", "load_digits", "run_demo"]
+
+# fault -> (Finding kind, module it names)
+FAULTS: dict[str, tuple[str, str] | None] = {
+    "none": None,
+    "nan": ("nonfinite", "features.3"),
+    "dead": ("dead_units", "features.5"),
+    "explode": ("exploding_gradient", "features.6"),
+    "vanish": ("vanishing_gradient", "features.6"),
+}
+
+
+class DigitsCNN(nn.Module):
+    """Conv-BN-ReLU x2, max-pool, then a two-layer classifier: 8x8 digits -> 10 logits."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),  # (B, 2w, 4, 4)
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(2 * width * 16, 64),
+            nn.ReLU(inplace=True),
+            nn.Linear(64, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def load_digits(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """scikit-learn's bundled 8x8 digits (no download), standardized, split 80/20."""
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+    except ImportError:
+        raise missing_extra("sklearn", "demo") from None
+    data = sk_load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1)  # (N, 1, 8, 8)
+    x = (x - x.mean()) / x.std()
+    y = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(x))
+    train, test = order[:cut], order[cut:]
+    return x[train], y[train], x[test], y[test]
+
+
+@dataclass
+class DemoResult:
+    accuracy: float
+    findings: list[Any]
+    log_dir: Path
+    report: Path
+    seconds: float
+    steps: int
+    tensorboard: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _fault_context(model: nn.Module, fault: str, step: int, nan_step: int) -> Any:
+    from ._intervene import intervene
+
+    if fault == "nan" and step == nan_step:
+        def poison(out: torch.Tensor, site: Any) -> torch.Tensor:
+            out = out.clone()
+            out[0, 0, 0, 0] = math.nan
+            return out
+
+        return intervene(model, {"features.3": poison}, at="output")
+    if fault in ("explode", "vanish"):
+        scale = 1e6 if fault == "explode" else 1e-9
+        return intervene(model, {"classifier.1": lambda g, site: g * scale}, at="grad_input")
+    return contextlib.nullcontext()
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="training", unit="step", leave=False)
+
+
+def run_demo(
+    out: str | Path = "hookscope-demo",
+    *,
+    epochs: int = 4,
+    fault: str = "none",
+    seed: int = 0,
+    every: int = 10,
+    progress: bool = True,
+) -> DemoResult:
+    """Train :class:`DigitsCNN` with a Monitor attached and write the log and the report.
+
+    Returns:
+        Test accuracy, the Monitor's findings, and where the log and report went.
+    """
+    from . import Monitor, extract, summary
+    from ._report import report
+
+    if fault not in FAULTS:
+        raise HookscopeError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    x_train, y_train, x_test, y_test = load_digits(seed)
+    model = DigitsCNN()
+    if fault == "dead":
+        with torch.no_grad():
+            model.features[4].bias.fill_(-20.0)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    log_dir = Path(out)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    batch = 32
+    per_epoch = math.ceil(len(x_train) / batch)
+    nan_step = per_epoch // 2
+    model_summary = summary(model, x_train[:2])
+    mon = Monitor(model, every=every, log_dir=log_dir, optimizer=opt)
+    bar = _progress(epochs * per_epoch, progress)
+    step = 0
+    with mon:
+        mon.log("summary", **model_summary.to_dict())
+        for _ in range(epochs):
+            model.train()
+            order = torch.randperm(len(x_train))
+            for i in range(0, len(x_train), batch):
+                idx = order[i : i + batch]
+                with _fault_context(model, fault, step, nan_step):
+                    loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+                    if torch.isfinite(loss):
+                        loss.backward()
+                        opt.step()
+                    else:
+                        mon.log("event", step=step, kind="skipped_step", message=f"loss was {loss.item()}")
+                opt.zero_grad(set_to_none=True)
+                mon.step(loss=loss)
+                step += 1
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss.item():.3f}")
+        model.eval()
+        with torch.no_grad():
+            accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        mon.log("event", step=step, kind="evaluation", message=f"test accuracy {accuracy:.4f}")
+        maps = extract(model, x_test[:1], where=["features.0", "features.3"])
+        for name, value in maps.items():
+            mon.log("feature_maps", step=step, module=name, shape=list(value.shape[1:]), data=value[0].tolist())
+    if bar is not None:
+        bar.close()
+    path = report(log_dir, log_dir / "report.html")
+    tb = any(log_dir.rglob("events.out.tfevents.*"))
+    return DemoResult(accuracy, list(mon.findings), log_dir, path, time.perf_counter() - start, step, tb)
