@@ -22,7 +22,9 @@ def _golden(name: str, text: str) -> None:
     path = GOLDEN / name
     if UPDATE:
         path.write_text(text, encoding="utf-8")
-    assert text == path.read_text(encoding="utf-8"), f"differs from {path}; rerun with HOOKSCOPE_UPDATE_GOLDEN=1"
+    assert text == path.read_text(encoding="utf-8"), (
+        f"differs from {path}; rerun with HOOKSCOPE_UPDATE_GOLDEN=1"
+    )
 
 
 def test_summary_command_prints_the_golden_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -43,13 +45,21 @@ def test_summary_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "message"),
     [
         (["summary", "hookscope._demo:DigitCNN", "--input", "1,1,8,8"], "Did you mean 'DigitsCNN'"),
-        (["summary", "no_such_module_xyz:build", "--input", "1,1,8,8"], "cannot import module 'no_such_module_xyz'"),
+        (
+            ["summary", "no_such_module_xyz:build", "--input", "1,1,8,8"],
+            "cannot import module 'no_such_module_xyz'",
+        ),
         (["summary", "hookscope._demo", "--input", "1,1,8,8"], "expected MODULE:FACTORY"),
-        (["summary", "hookscope._demo:DigitsCNN", "--input", "1,3,8,8"], "failed on an input of shape [1, 3, 8, 8]"),
+        (
+            ["summary", "hookscope._demo:DigitsCNN", "--input", "1,3,8,8"],
+            "failed on an input of shape [1, 3, 8, 8]",
+        ),
         (["report", "/nonexistent/run"], "no hookscope log at"),
     ],
 )
-def test_errors_exit_1_with_a_hint(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_errors_exit_1_with_a_hint(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("Error: ") and message in err
@@ -59,7 +69,13 @@ def test_errors_exit_1_with_a_hint(argv: list[str], message: str, capsys: pytest
 
 @pytest.mark.parametrize(
     "argv",
-    [["demo", "--fault", "boom"], ["summary", "m:f", "--input", "a,b"], ["summary", "m:f"], ["nope"], ["demo", "--epochs", "0"]],
+    [
+        ["demo", "--fault", "boom"],
+        ["summary", "m:f", "--input", "a,b"],
+        ["summary", "m:f"],
+        ["nope"],
+        ["demo", "--epochs", "0"],
+    ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -77,7 +93,9 @@ def test_every_command_has_help(command: list[str], capsys: pytest.CaptureFixtur
     assert "usage: hookscope" in capsys.readouterr().out
 
 
-def test_report_command_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_command_writes_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from _synthetic_log import write_log
 
     write_log(tmp_path / "run")
@@ -87,7 +105,9 @@ def test_report_command_writes_the_report(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_python_dash_m_runs_the_cli() -> None:
-    out = subprocess.run([sys.executable, "-m", "hookscope", "--version"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "hookscope", "--version"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and out.stdout.strip() == f"hookscope {hs.__version__}"
 
 
@@ -99,18 +119,25 @@ def _demo_findings(tmp_path: Path, fault: str, epochs: int) -> tuple[float, list
 
     result = run_demo(tmp_path / fault, epochs=epochs, fault=fault, progress=False)
     assert result.report.is_file()
-    return result.accuracy, [{"kind": f.kind, "module": f.module, "step": f.step} for f in result.findings]
+    return result.accuracy, [
+        {"kind": f.kind, "module": f.module, "step": f.step} for f in result.findings
+    ]
 
 
 @pytest.mark.slow
-def test_demo_without_fault_learns_and_finds_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_without_fault_learns_and_finds_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["demo", "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "findings: none" in out
     accuracy = float(out.split("test accuracy: ")[1].split("%")[0]) / 100
     assert accuracy > 0.9
     assert f"report: {tmp_path / 'run' / 'report.html'}" in out
-    kinds = {json.loads(line)["type"] for line in (tmp_path / "run" / "hookscope.jsonl").read_text().splitlines()}
+    kinds = {
+        json.loads(line)["type"]
+        for line in (tmp_path / "run" / "hookscope.jsonl").read_text().splitlines()
+    }
     assert {"header", "step", "summary", "feature_maps"} <= kinds
 
 

@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from _synthetic_log import write_log
 
 import hookscope as hs
+from _synthetic_log import write_log
 from hookscope._report._data import load_run
 
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+CHROMIUM = shutil.which("chromium") or (
+    "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
+)
 IMG = re.compile(r'<img class="plot" alt="([^"]*)" src="data:image/png;base64,([^"]+)">')
 
 
@@ -40,8 +42,14 @@ def test_report_embeds_every_plot_as_a_png_and_fetches_nothing(html_path: Path) 
     images = IMG.findall(html)
     alts = [alt for alt, _ in images]
     assert alts == [
-        "scalars over steps", "activation mean and std", "zero fraction", "gradient norm",
-        "update ratio", "gradient norm heatmap", "activation histograms", "feature maps of conv",
+        "scalars over steps",
+        "activation mean and std",
+        "zero fraction",
+        "gradient norm",
+        "update ratio",
+        "gradient norm heatmap",
+        "activation histograms",
+        "feature maps of conv",
     ]
     for _, data in images:
         assert base64.b64decode(data).startswith(b"\x89PNG\r\n\x1a\n")
@@ -52,15 +60,23 @@ def test_report_embeds_every_plot_as_a_png_and_fetches_nothing(html_path: Path) 
 def test_report_lists_findings_first_with_evidence_and_hint(html_path: Path) -> None:
     html = html_path.read_text()
     assert html.index('id="findings"') < html.index('id="curves"') < html.index('id="summary"')
-    findings = html[html.index('id="findings"') : html.index("</section>", html.index('id="findings"'))]
+    findings = html[
+        html.index('id="findings"') : html.index("</section>", html.index('id="findings"'))
+    ]
     assert "Findings (1)" in findings
     assert "<td>bn</td>" in findings and ">12</td>" in findings
-    assert "bn output held 3 NaN values" in findings and "on_nonfinite=&#x27;raise&#x27;" in findings
+    assert (
+        "bn output held 3 NaN values" in findings and "on_nonfinite=&#x27;raise&#x27;" in findings
+    )
 
 
 def test_report_shows_the_model_summary_and_latest_statistics(html_path: Path) -> None:
     html = html_path.read_text()
-    assert '<table class="summary mono">' in html and "[2, 4, 8, 8]" in html and "Total params: 714" in html
+    assert (
+        '<table class="summary mono">' in html
+        and "[2, 4, 8, 8]" in html
+        and "Total params: 714" in html
+    )
     assert '<table class="latest">' in html and "Statistics at the last sampled step (25)" in html
     assert "skipped_step" in html
 
@@ -68,7 +84,11 @@ def test_report_shows_the_model_summary_and_latest_statistics(html_path: Path) -
 def test_report_without_matplotlib_keeps_the_tables_and_says_how_to_get_plots(
     run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith(("matplotlib.", "hookscope._report._plots"))]:
+    for name in [
+        m
+        for m in sys.modules
+        if m == "matplotlib" or m.startswith(("matplotlib.", "hookscope._report._plots"))
+    ]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     html = hs.report(run_dir, tmp_path / "plain.html").read_text()
@@ -78,7 +98,9 @@ def test_report_without_matplotlib_keeps_the_tables_and_says_how_to_get_plots(
         assert f'<table class="{cls}">' in html
 
 
-def test_log_reader_turns_nonfinite_strings_into_floats_and_skips_a_torn_last_line(run_dir: Path, tmp_path: Path) -> None:
+def test_log_reader_turns_nonfinite_strings_into_floats_and_skips_a_torn_last_line(
+    run_dir: Path, tmp_path: Path
+) -> None:
     text = (run_dir / "hookscope.jsonl").read_text()
     (tmp_path / "hookscope.jsonl").write_text(text + '{"type": "step", "st')
     run = load_run(tmp_path)
@@ -94,7 +116,9 @@ def test_report_of_a_missing_log_says_what_was_expected(tmp_path: Path) -> None:
 
 
 def test_report_of_a_log_with_only_a_header(tmp_path: Path) -> None:
-    (tmp_path / "hookscope.jsonl").write_text('{"type": "header", "model": "M", "modules": {}, "params": {}}\n')
+    (tmp_path / "hookscope.jsonl").write_text(
+        '{"type": "header", "model": "M", "modules": {}, "params": {}}\n'
+    )
     html = hs.report(tmp_path).read_text()
     assert "No findings" in html and "0 steps" in html
 
@@ -120,10 +144,22 @@ window.addEventListener('load', () => {
 def _chromium(html: Path, tmp: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     assert CHROMIUM is not None
     cmd = [
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={tmp / 'profile'}", "--enable-logging=stderr", "--v=0",
-        "--virtual-time-budget=5000", "--hide-scrollbars", *extra, html.as_uri(),
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=5000",
+        "--hide-scrollbars",
+        *extra,
+        html.as_uri(),
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
@@ -134,7 +170,10 @@ def check_in_browser(html_path: Path, tmp: Path, screenshot: Path | None = None)
     probe.write_text(html_path.read_text().replace("</head>", _CHECK + "</head>", 1))
     dom = _chromium(probe, tmp, "--dump-dom")
     assert "Uncaught" not in dom.stderr and "ERROR:CONSOLE" not in dom.stderr, dom.stderr
-    found = re.search(r'<div id="hs-check" data-imgs="(\d+)" data-ok="(\d+)" data-tables="(\d+)" data-errors="(\d+)"', dom.stdout)
+    found = re.search(
+        r'<div id="hs-check" data-imgs="(\d+)" data-ok="(\d+)" data-tables="(\d+)" data-errors="(\d+)"',
+        dom.stdout,
+    )
     assert found, dom.stdout[-2000:] + dom.stderr[-2000:]
     if screenshot is not None:
         shot = _chromium(html_path, tmp, f"--screenshot={screenshot}", "--window-size=1280,2400")

@@ -25,8 +25,12 @@ def _bert() -> nn.Module:
     from transformers import BertConfig, BertModel
 
     config = BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32,
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
     )
     return BertModel(config)
 
@@ -52,7 +56,9 @@ def test_summary_totals_match_torchinfo(case: str) -> None:
 def test_summary_counts_tied_parameters_once() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16))
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    )
     assert model.lm_head.weight is model.transformer.wte.weight
     s = hs.summary(model, torch.zeros(1, 4, dtype=torch.long))
     unique = {id(p): p.numel() for p in model.parameters()}
@@ -68,13 +74,23 @@ def test_summary_rows_hold_shapes_bytes_and_trainable_counts() -> None:
     names = [r.name for r in s.rows]
     assert names == ["", "0", "1", "2"]
     first = s.rows[1]
-    assert (first.input_shape, first.output_shape, first.params, first.trainable) == ([[3, 4]], [[3, 8]], 40, 8)
+    assert (first.input_shape, first.output_shape, first.params, first.trainable) == (
+        [[3, 4]],
+        [[3, 8]],
+        40,
+        8,
+    )
     assert first.bytes == 3 * 8 * 4
     assert s.total == {"params": 58, "trainable": 26, "bytes": (24 + 24 + 6) * 4}
     d = s.to_dict()
     assert d["rows"][3] == {
-        "name": "2", "type": "Linear", "input_shape": [[3, 8]], "output_shape": [[3, 2]],
-        "params": 18, "trainable": 18, "bytes": 24,
+        "name": "2",
+        "type": "Linear",
+        "input_shape": [[3, 8]],
+        "output_shape": [[3, 2]],
+        "params": 18,
+        "trainable": 18,
+        "bytes": 24,
     }
 
 
@@ -126,6 +142,8 @@ def test_summary_str_is_a_fixed_width_table_with_a_total_line() -> None:
 def test_summary_renders_with_rich() -> None:
     rich_console = pytest.importorskip("rich.console")
     buf = io.StringIO()
-    rich_console.Console(file=buf, width=140, color_system=None).print(hs.summary(DigitsCNN(), torch.zeros(1, 1, 8, 8)))
+    rich_console.Console(file=buf, width=140, color_system=None).print(
+        hs.summary(DigitsCNN(), torch.zeros(1, 1, 8, 8))
+    )
     out = buf.getvalue()
     assert "features.0" in out and "Conv2d" in out and "Total params: 38,378" in out

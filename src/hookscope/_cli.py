@@ -49,9 +49,21 @@ def _parser() -> _Parser:
         "Monitor attached; write the JSON-lines log, TensorBoard events (if installed) and "
         "report.html; print the accuracy and the findings. --fault injects a pathology.",
     )
-    demo.add_argument("--out", default="hookscope-demo", metavar="DIR", help="output directory (default: %(default)s)")
-    demo.add_argument("--epochs", type=_positive_int, default=4, metavar="N", help="epochs (default: %(default)s)")
-    demo.add_argument("--fault", choices=list(FAULTS), default="none", help="pathology to inject (default: %(default)s)")
+    demo.add_argument(
+        "--out",
+        default="hookscope-demo",
+        metavar="DIR",
+        help="output directory (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--epochs", type=_positive_int, default=4, metavar="N", help="epochs (default: %(default)s)"
+    )
+    demo.add_argument(
+        "--fault",
+        choices=list(FAULTS),
+        default="none",
+        help="pathology to inject (default: %(default)s)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
@@ -61,8 +73,12 @@ def _parser() -> _Parser:
         help="write the HTML report of a monitored run",
         description="Write one self-contained HTML file from a run's log (LOG_DIR/hookscope.jsonl).",
     )
-    report.add_argument("log_dir", metavar="LOG_DIR", help="the Monitor's log_dir, or the .jsonl file")
-    report.add_argument("-o", "--out", metavar="FILE", help="output file (default: LOG_DIR/report.html)")
+    report.add_argument(
+        "log_dir", metavar="LOG_DIR", help="the Monitor's log_dir, or the .jsonl file"
+    )
+    report.add_argument(
+        "-o", "--out", metavar="FILE", help="output file (default: LOG_DIR/report.html)"
+    )
     report.set_defaults(run=_report)
 
     summ = sub.add_parser(
@@ -71,9 +87,17 @@ def _parser() -> _Parser:
         description="Import MODULE, call FACTORY() to build the model, run one forward pass on "
         "torch.zeros(SHAPE) and print the table.",
     )
-    summ.add_argument("target", metavar="MODULE:FACTORY", help="e.g. torchvision.models:resnet18 or mymodels:build")
-    summ.add_argument("--input", required=True, metavar="SHAPE", type=_shape, help="input shape, e.g. 1,3,32,32")
-    summ.add_argument("--dtype", default="float32", help="input dtype (default: %(default)s; long for token ids)")
+    summ.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        help="e.g. torchvision.models:resnet18 or mymodels:build",
+    )
+    summ.add_argument(
+        "--input", required=True, metavar="SHAPE", type=_shape, help="input shape, e.g. 1,3,32,32"
+    )
+    summ.add_argument(
+        "--dtype", default="float32", help="input dtype (default: %(default)s; long for token ids)"
+    )
     summ.add_argument("--json", action="store_true", help="print the summary as JSON")
     summ.set_defaults(run=_summary)
     return root
@@ -116,7 +140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
-    result = run_demo(args.out, epochs=args.epochs, fault=args.fault, seed=args.seed, progress=not args.no_progress)
+    result = run_demo(
+        args.out,
+        epochs=args.epochs,
+        fault=args.fault,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     print(f"test accuracy: {result.accuracy:.2%}  ({result.steps} steps in {result.seconds:.1f} s)")
     if result.findings:
         print(f"findings ({len(result.findings)}):")
@@ -145,7 +175,9 @@ def _summary(args: argparse.Namespace) -> int:
 
     model = _load_factory(args.target)()
     if not isinstance(model, torch.nn.Module):
-        raise _UserError(f"{args.target} returned {type(model).__name__}, expected a torch.nn.Module")
+        raise _UserError(
+            f"{args.target} returned {type(model).__name__}, expected a torch.nn.Module"
+        )
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise _UserError(f"unknown dtype {args.dtype!r}; try float32, float16 or long")

@@ -9,7 +9,8 @@ finding appears on the layer named in :data:`FAULTS`:
   (``features.5``) never fires again.
 - ``explode`` / ``vanish``: the gradient leaving ``classifier.1`` towards its input is
   multiplied by 1e6 / 1e-9 (an intervention at ``grad_input``), so every earlier layer sees
-  an exploding / vanishing gradient, starting with ``features.6``, the layer feeding it.
+  an exploding / vanishing gradient, starting with ``classifier.0`` (the Flatten whose
+  output is that input) in backward order.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ FAULTS: dict[str, tuple[str, str] | None] = {
     "none": None,
     "nan": ("nonfinite", "features.3"),
     "dead": ("dead_units", "features.5"),
-    "explode": ("exploding_gradient", "features.6"),
-    "vanish": ("vanishing_gradient", "features.6"),
+    "explode": ("exploding_gradient", "classifier.0"),
+    "vanish": ("vanishing_gradient", "classifier.0"),
 }
 
 
@@ -95,6 +96,7 @@ def _fault_context(model: nn.Module, fault: str, step: int, nan_step: int) -> An
     from ._intervene import intervene
 
     if fault == "nan" and step == nan_step:
+
         def poison(out: torch.Tensor, site: Any) -> torch.Tensor:
             out = out.clone()
             out[0, 0, 0, 0] = math.nan
@@ -131,11 +133,22 @@ def run_demo(
     Returns:
         Test accuracy, the Monitor's findings, and where the log and report went.
     """
+    if fault not in FAULTS:
+        raise HookscopeError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small runs fastest on one core, and shares it well
+    try:
+        return _train(Path(out), epochs, fault, seed, every, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(
+    log_dir: Path, epochs: int, fault: str, seed: int, every: int, progress: bool
+) -> DemoResult:
     from . import Monitor, extract, summary
     from ._report import report
 
-    if fault not in FAULTS:
-        raise HookscopeError(f"unknown fault {fault!r}; choose one of {', '.join(FAULTS)}")
     start = time.perf_counter()
     torch.manual_seed(seed)
     x_train, y_train, x_test, y_test = load_digits(seed)
@@ -144,7 +157,6 @@ def run_demo(
         with torch.no_grad():
             model.features[4].bias.fill_(-20.0)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    log_dir = Path(out)
     log_dir.mkdir(parents=True, exist_ok=True)
     batch = 32
     per_epoch = math.ceil(len(x_train) / batch)
@@ -166,9 +178,14 @@ def run_demo(
                         loss.backward()
                         opt.step()
                     else:
-                        mon.log("event", step=step, kind="skipped_step", message=f"loss was {loss.item()}")
+                        mon.log(
+                            "event",
+                            step=step,
+                            kind="skipped_step",
+                            message=f"loss was {loss.item()}",
+                        )
                 opt.zero_grad(set_to_none=True)
-                mon.step(loss=loss)
+                mon.step(loss=loss.detach())
                 step += 1
                 if bar is not None:
                     bar.update(1)
@@ -179,9 +196,17 @@ def run_demo(
         mon.log("event", step=step, kind="evaluation", message=f"test accuracy {accuracy:.4f}")
         maps = extract(model, x_test[:1], where=["features.0", "features.3"])
         for name, value in maps.items():
-            mon.log("feature_maps", step=step, module=name, shape=list(value.shape[1:]), data=value[0].tolist())
+            mon.log(
+                "feature_maps",
+                step=step,
+                module=name,
+                shape=list(value.shape[1:]),
+                data=value[0].tolist(),
+            )
     if bar is not None:
         bar.close()
     path = report(log_dir, log_dir / "report.html")
     tb = any(log_dir.rglob("events.out.tfevents.*"))
-    return DemoResult(accuracy, list(mon.findings), log_dir, path, time.perf_counter() - start, step, tb)
+    return DemoResult(
+        accuracy, list(mon.findings), log_dir, path, time.perf_counter() - start, step, tb
+    )

@@ -80,10 +80,21 @@ def _findings(run: Run) -> str:
     rows, classes = [], []
     for f in run.findings:
         kind = str(f.get("kind", ""))
-        rows.append([kind, f.get("module", ""), f.get("step", ""), f.get("value"), f.get("message", ""), HINTS.get(kind, "")])
+        rows.append(
+            [
+                kind,
+                f.get("module", ""),
+                f.get("step", ""),
+                f.get("value"),
+                f.get("message", ""),
+                HINTS.get(kind, ""),
+            ]
+        )
         classes.append(f"kind-{kind}")
     head = ["Kind", "Module", "Step", "Value", "Evidence", "Hint"]
-    return section("findings", f"Findings ({len(rows)})", table(head, rows, cls="findings", row_cls=classes))
+    return section(
+        "findings", f"Findings ({len(rows)})", table(head, rows, cls="findings", row_cls=classes)
+    )
 
 
 def _curves(run: Run, plots: Any) -> str:
@@ -105,17 +116,37 @@ def _modules(run: Run, plots: Any) -> str:
     mean, std = run.stat("act", "mean"), run.stat("act", "std")
     if mean:
         band = {name: std.get(name, (xs, [0.0] * len(xs)))[1] for name, (xs, _) in mean.items()}
-        parts.append(img(plots.small_multiples(mean, title="activation mean ± std", band=band), "activation mean and std"))
+        parts.append(
+            img(
+                plots.small_multiples(mean, title="activation mean ± std", band=band),
+                "activation mean and std",
+            )
+        )
     zero = run.stat("act", "zero_frac")
     if zero:
-        parts.append(img(plots.small_multiples(zero, title="fraction of zeros in the output"), "zero fraction"))
+        parts.append(
+            img(
+                plots.small_multiples(zero, title="fraction of zeros in the output"),
+                "zero fraction",
+            )
+        )
     grad = run.stat("grad", "norm")
     if grad:
-        parts.append(img(plots.small_multiples(grad, title="gradient norm of the output", log=True), "gradient norm"))
+        parts.append(
+            img(
+                plots.small_multiples(grad, title="gradient norm of the output", log=True),
+                "gradient norm",
+            )
+        )
     ratio = run.update_ratios()
     if ratio:
         parts.append(
-            img(plots.small_multiples(ratio, title="update ratio ‖ΔW‖/‖W‖ (dashed: 1e-3)", log=True, guide=1e-3), "update ratio")
+            img(
+                plots.small_multiples(
+                    ratio, title="update ratio ‖ΔW‖/‖W‖ (dashed: 1e-3)", log=True, guide=1e-3
+                ),
+                "update ratio",
+            )
         )
     return section("modules", "Per module, over steps", "".join(parts)) if parts else ""
 
@@ -137,9 +168,15 @@ def _feature_maps(run: Run, plots: Any) -> str:
     if not run.feature_maps:
         return ""
     if plots is None:
-        rows = [[r.get("module", ""), r.get("step", ""), str(r.get("shape", ""))] for r in run.feature_maps]
+        rows = [
+            [r.get("module", ""), r.get("step", ""), str(r.get("shape", ""))]
+            for r in run.feature_maps
+        ]
         return section("feature-maps", "Feature maps", table(["Module", "Step", "Shape"], rows))
-    parts = [img(plots.feature_grid(r), f"feature maps of {r.get('module', '')}") for r in run.feature_maps]
+    parts = [
+        img(plots.feature_grid(r), f"feature maps of {r.get('module', '')}")
+        for r in run.feature_maps
+    ]
     return section("feature-maps", "Feature maps", "".join(parts))
 
 
@@ -160,9 +197,23 @@ def _latest(run: Run) -> str:
     rows = []
     for name in names:
         a, g = act.get(name, {}), grad.get(name, {})
-        rows.append([name, a.get("mean"), a.get("std"), a.get("absmax"), a.get("zero_frac"), a.get("sat_frac"), g.get("norm")])
+        rows.append(
+            [
+                name,
+                a.get("mean"),
+                a.get("std"),
+                a.get("absmax"),
+                a.get("zero_frac"),
+                a.get("sat_frac"),
+                g.get("norm"),
+            ]
+        )
     head = ["Module", "Mean", "Std", "|x| max", "Zero frac", "Saturated", "Grad norm"]
-    return section("latest", f"Statistics at the last sampled step ({last.get('step')})", table(head, rows, cls="latest"))
+    return section(
+        "latest",
+        f"Statistics at the last sampled step ({last.get('step')})",
+        table(head, rows, cls="latest"),
+    )
 
 
 def _events(run: Run) -> str:

@@ -33,7 +33,10 @@ def _floats(obj: Any) -> Any:
     if isinstance(obj, str):
         return _NONFINITE.get(obj, obj)
     if isinstance(obj, dict):
-        return {key: (value if key in ("message", "kind", "module", "type", "name") else _floats(value)) for key, value in obj.items()}
+        return {
+            key: (value if key in ("message", "kind", "module", "type", "name") else _floats(value))
+            for key, value in obj.items()
+        }
     if isinstance(obj, list):
         return [_floats(item) for item in obj]
     return obj

@@ -59,7 +59,9 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def table(head: list[str], rows: list[list[Any]], *, cls: str = "", row_cls: list[str] | None = None) -> str:
+def table(
+    head: list[str], rows: list[list[Any]], *, cls: str = "", row_cls: list[str] | None = None
+) -> str:
     """An HTML table; numbers right-aligned, every cell escaped."""
     out = [f'<table class="{escape(cls)}"><thead><tr>']
     out += [f"<th>{escape(h)}</th>" for h in head]
@@ -69,7 +71,11 @@ def table(head: list[str], rows: list[list[Any]], *, cls: str = "", row_cls: lis
         cells = []
         for cell in row:
             num = isinstance(cell, (int, float)) and not isinstance(cell, bool)
-            cells.append(f'<td class="num">{escape(fmt(cell))}</td>' if num else f"<td>{escape(fmt(cell))}</td>")
+            cells.append(
+                f'<td class="num">{escape(fmt(cell))}</td>'
+                if num
+                else f"<td>{escape(fmt(cell))}</td>"
+            )
         out.append(f"<tr{rc}>{''.join(cells)}</tr>")
     out.append("</tbody></table>")
     return "".join(out)
@@ -118,8 +124,8 @@ def _shapes(value: Any) -> str:
 
 def page(title: str, subtitle: str, body: str) -> str:
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{escape(title)}</title>"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{escape(title)}</title>'
         f"<style>{_CSS}</style></head><body><header><h1>{escape(title)}</h1>"
         f"<p>{escape(subtitle)}</p></header><main>{body}</main></body></html>\n"
     )

@@ -13,8 +13,6 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from ._data import Run
-
 __all__ = ["curves", "feature_grid", "grad_heatmap", "hist_heatmaps", "small_multiples"]
 
 _COLS = 4
@@ -67,7 +65,7 @@ def small_multiples(
     fig = Figure(figsize=(2.6 * cols, 1.7 * rows + 0.5), layout="constrained")
     axes = fig.subplots(rows, cols, sharex=True, sharey=True, squeeze=False)
     use_log = log and any(_positive(ys) for _, ys in panels.values())
-    for ax, name in zip(axes.flat, names):
+    for ax, name in zip(axes.flat, names, strict=False):
         xs, ys = panels[name]
         y = np.asarray(ys, dtype=float)
         if use_log:
@@ -81,7 +79,7 @@ def small_multiples(
         ax.set_title(name, fontsize=8)
         ax.tick_params(labelsize=6)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     if use_log:
         axes.flat[0].set_yscale("log")
@@ -96,7 +94,7 @@ def grad_heatmap(norms: dict[str, tuple[list[int], list[float]]]) -> bytes:
     col = {s: j for j, s in enumerate(steps)}
     grid = np.full((len(names), len(steps)), np.nan)
     for i, name in enumerate(names):
-        for x, v in zip(*norms[name]):
+        for x, v in zip(*norms[name], strict=True):
             grid[i, col[x]] = math.log10(v) if v > 0 and math.isfinite(v) else np.nan
     fig = Figure(figsize=(8, 0.9 + 0.22 * len(names)), layout="constrained")
     ax = fig.add_subplot()
@@ -134,17 +132,21 @@ def hist_heatmaps(hists: dict[str, list[tuple[int, float, float, list[float]]]])
     rows = math.ceil(len(names) / cols)
     fig = Figure(figsize=(2.6 * cols, 1.9 * rows + 0.5), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
-    for ax, name in zip(axes.flat, names):
+    for ax, name in zip(axes.flat, names, strict=False):
         entries = hists[name]
         grid, lo, hi = _rebin(entries)
         steps = [e[0] for e in entries]
         ax.imshow(
-            np.log1p(grid * 100), aspect="auto", origin="lower", cmap="viridis",
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, lo, hi), interpolation="nearest",
+            np.log1p(grid * 100),
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, lo, hi),
+            interpolation="nearest",
         )
         ax.set_title(name, fontsize=8)
         ax.tick_params(labelsize=6)
-    for ax in list(axes.flat)[len(names):]:
+    for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)
     fig.suptitle("activation histograms over steps (value vs step)", fontsize=10)
     return _png(fig)
