@@ -270,3 +270,12 @@ def test_no_warning_for_globs_whose_modules_did_not_run() -> None:
         with hs.capture(model, "*") as cap:
             model["used"](torch.ones(1, 2))
     assert cap.missing == ["unused"] and list(cap) == ["used"]
+
+
+def test_backward_after_the_block_warns_that_no_gradient_was_recorded() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.warns(hs.NoGradWarning, match="inside the block"):
+        with hs.capture(model, "0", what="grad_output") as cap:
+            loss = model(torch.ones(1, 2)).sum()
+    loss.backward()
+    assert cap["0"].grad_output == (None,)

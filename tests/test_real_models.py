@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
-from models import bert, gpt2, images, resnet_pair, token_ids
 
 import hookscope as hs
 from hookscope.testing import assert_no_hooks, hooks_on
+from models import bert, gpt2, images, resnet_pair, token_ids
 
 ALL = ("input", "output", "grad_input", "grad_output")
 
@@ -113,7 +113,12 @@ def test_every_gpt2_block_output_equals_output_hidden_states() -> None:
     with hs.capture(model, ["transformer.h.*", "transformer.ln_f"]) as cap:
         out = model(ids, output_hidden_states=True)
     hidden = out.hidden_states  # embeddings, h.0, h.1, ln_f(h.2)
-    assert list(cap) == ["transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.ln_f"]
+    assert list(cap) == [
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.h.2",
+        "transformer.ln_f",
+    ]
     for i in range(2):
         assert torch.equal(cap[f"transformer.h.{i}"].output, hidden[i + 1])
     assert torch.equal(model.transformer.ln_f(cap["transformer.h.2"].output), hidden[3])
@@ -148,9 +153,7 @@ def test_gpt2_submodule_output_equals_calling_it_on_the_captured_input() -> None
                 again = module(*clone_tree(record.input), **clone_tree(record.kwargs))
                 assert_same(record.output, again)
     # The GPT-2 block input is the embedding output; its output the next block's input.
-    assert torch.equal(
-        block.output, model.transformer.h[0](*block.input, **block.kwargs)
-    )
+    assert torch.equal(block.output, model.transformer.h[0](*block.input, **block.kwargs))
 
 
 def test_bert_layer_output_equals_calling_it_with_the_captured_attention_mask() -> None:
@@ -163,7 +166,10 @@ def test_bert_layer_output_equals_calling_it_with_the_captured_attention_mask() 
         reference = model(ids, attention_mask=mask)
     modules = dict(model.named_modules())
     masks = [
-        t for rec in (cap[n] for n in names) for t in flat((rec.input[1:], rec.kwargs)) if t.dim() == 4
+        t
+        for rec in (cap[n] for n in names)
+        for t in flat((rec.input[1:], rec.kwargs))
+        if t.dim() == 4
     ]
     assert len(masks) == 3, "each chosen module got the 4-d attention mask (args or kwargs)"
     with torch.no_grad():
@@ -429,7 +435,16 @@ def test_zeroing_a_bert_layer_output_equals_a_hand_written_forward_hook() -> Non
     name = "encoder.layer.0.attention.self"
     with torch.no_grad():
         base = model(ids).last_hidden_state
-        with hs.intervene(model, {name: lambda out, site: tuple(torch.zeros_like(o) if o is not None else None for o in out) if isinstance(out, tuple) else torch.zeros_like(out)}):
+        with hs.intervene(
+            model,
+            {
+                name: lambda out, site: (
+                    tuple(torch.zeros_like(o) if o is not None else None for o in out)
+                    if isinstance(out, tuple)
+                    else torch.zeros_like(out)
+                )
+            },
+        ):
             ablated = model(ids).last_hidden_state
 
         def by_hand(module: nn.Module, args: Any, output: Any) -> Any:
@@ -607,7 +622,9 @@ BUG_RECOMPUTE_CALL = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize(
-    "reentrant", [False, pytest.param(True, marks=BUG_REENTRANT_ORDER)], ids=["non_reentrant", "reentrant"]
+    "reentrant",
+    [False, pytest.param(True, marks=BUG_REENTRANT_ORDER)],
+    ids=["non_reentrant", "reentrant"],
 )
 def test_gradients_of_a_module_shared_across_checkpoint_segments_go_to_the_right_call(
     reentrant: bool,
@@ -913,9 +930,7 @@ def test_shared_module_keep_all_and_keep_last() -> None:
     assert torch.equal(last.all("shared")[0].output, first)
     assert torch.equal(last.all("shared")[1].output, second)
     assert torch.equal(last.all("shared")[1].input[0], first + xs[1])
-    assert_same(
-        [r.output for r in every.all("shared")[2:]], [r.output for r in last.all("shared")]
-    )
+    assert_same([r.output for r in every.all("shared")[2:]], [r.output for r in last.all("shared")])
 
 
 def test_keep_all_with_gradients_on_a_shared_module() -> None:

@@ -100,6 +100,7 @@ class Capture:
         self._open: dict[str, list[Record | None]] = defaultdict(list)  # pre-hook -> hook
         self._no_grad: dict[str, deque[Record]] = defaultdict(deque)  # await a recompute
         self._hooks = HookSet("capture")
+        self._grads_seen = False
         try:
             self._attach(model)
         except BaseException:
@@ -143,7 +144,7 @@ class Capture:
         args, indices = alias_grad_inputs(args)
         for i in indices:
             self._hooks.tensor(
-                args[i], functools.partial(_store_grad, self._keeper, record, "_grad_in", i)
+                args[i], functools.partial(self._store_grad, record, "_grad_in", i)
             )
         return (args, kwargs) if indices else None
 
@@ -174,9 +175,13 @@ class Capture:
         for i, t in enumerate(aliases):
             if t is not None:
                 self._hooks.tensor(
-                    t, functools.partial(_store_grad, self._keeper, record, "_grad_out", i)
+                    t, functools.partial(self._store_grad, record, "_grad_out", i)
                 )
         return None if new is output else new
+
+    def _store_grad(self, record: Record, slot: str, index: int, grad: torch.Tensor) -> None:
+        getattr(record, slot)[index] = self._keeper.tensor(grad)
+        self._grads_seen = True
 
     def _store(self, name: str, record: Record) -> None:
         records = self._records[name]
@@ -199,6 +204,7 @@ class Capture:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         waiting = [name for name, queue in self._no_grad.items() if queue]
+        unreached = len(self._hooks._tensor_handles) > 0 and not self._grads_seen
         self.close()
         self._no_grad.clear()
         if exc_type is not None:
@@ -209,6 +215,14 @@ class Capture:
                 "under torch.no_grad() or torch.inference_mode(), so no gradient was recorded. "
                 "Run the forward pass with autograd enabled and call backward() inside the "
                 "`with` block, or capture only 'input'/'output'.",
+                NoGradWarning,
+                stacklevel=2,
+            )
+        elif unreached:
+            warnings.warn(
+                "capture asked for gradients, but no gradient reached its hooks before the "
+                "`with` block ended, so none was recorded. Call loss.backward() inside the "
+                "block (the hooks are removed when it ends).",
                 NoGradWarning,
                 stacklevel=2,
             )
@@ -266,10 +280,6 @@ class Capture:
         if self.missing:
             lines.append(f"  never ran: {_names(self.missing)}")
         return "\n".join(lines)
-
-
-def _store_grad(keeper: Keeper, record: Record, slot: str, index: int, grad: torch.Tensor) -> None:
-    getattr(record, slot)[index] = keeper.tensor(grad)
 
 
 def _exact_names(where: Where, names: tuple[str, ...]) -> list[str]:
