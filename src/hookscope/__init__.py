@@ -14,12 +14,20 @@ from ._errors import NeverCalledWarning as NeverCalledWarning
 from ._errors import NoGradWarning as NoGradWarning
 from ._errors import NonFiniteError as NonFiniteError
 from ._errors import SelectionError as SelectionError
+from ._diagnose import Finding as Finding
+from ._diagnose import Thresholds as Thresholds
 from ._extract import extract as extract
 from ._intervene import Intervention as Intervention
 from ._intervene import intervene as intervene
+from ._monitor import Monitor as Monitor
 from ._record import Record as Record
 from ._report import report as report
 from ._select import select as select
+from ._sinks import JsonlSink as JsonlSink
+from ._sinks import MemorySink as MemorySink
+from ._sinks import Sink as Sink
+from ._sinks import TensorBoardSink as TensorBoardSink
+from ._sinks import read_log as read_log
 from ._sites import Site as Site
 from ._summary import summary as summary
 from ._tap import Tap as Tap
@@ -27,6 +35,14 @@ from ._tap import Tap as Tap
 __version__ = "0.1.0"
 
 __all__ = [
+    "Finding",
+    "JsonlSink",
+    "MemorySink",
+    "Monitor",
+    "Sink",
+    "TensorBoardSink",
+    "Thresholds",
+    "read_log",
     "Capture",
     "CompiledModelError",
     "HookscopeError",

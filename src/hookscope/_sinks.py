@@ -1,0 +1,137 @@
+"""Where a Monitor's records go: a JSON-lines file, TensorBoard, memory, or your own ``Sink``.
+
+A record is a plain dict (see docs/log-format.md); a sink never sees the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from ._errors import missing_extra
+
+__all__ = ["JsonlSink", "MemorySink", "Sink", "TensorBoardSink", "read_log"]
+
+LOG_NAME = "hookscope.jsonl"
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Anything with ``write(record)`` and ``close()`` can receive a Monitor's records."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MemorySink:
+    """Keeps every record in ``self.records`` (for notebooks and tests)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """One JSON object per line, flushed as written: a crash leaves every finished step readable.
+
+    NaN and infinities are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.suffix != ".jsonl":
+            self.path = self.path / LOG_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(_plain(record), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __repr__(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"
+
+
+class TensorBoardSink:
+    """Scalars (and histograms) for TensorBoard; needs ``pip install 'hookscope[tensorboard]'``.
+
+    Tags: ``loss``, ``lr``, ``act/<module>/<stat>``, ``grad/<module>/norm``,
+    ``param/<name>/<stat>``, ``nonfinite/<module>/nan`` (counts are their own scalars, so a NaN
+    is never silently dropped), histograms under ``hist/<module>``.
+    """
+
+    def __init__(self, log_dir: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise missing_extra("tensorboard", "tensorboard") from None
+        self._writer = SummaryWriter(str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if record.get("type") != "step":
+            return
+        step, add = record["step"], self._writer.add_scalar
+        for name, value in record.get("scalars", {}).items():
+            add(name, value, step)
+        for group in ("act", "grad", "param", "bn"):
+            for name, stats in record.get(group, {}).items():
+                for stat, value in stats.items():
+                    if stat == "hist":
+                        self._histogram(f"hist/{name}", value, step)
+                    elif stat in ("nan", "inf"):
+                        add(f"nonfinite/{name}/{group}_{stat}", value, step)
+                    elif isinstance(value, (int, float)):
+                        add(f"{group}/{name}/{stat}", value, step)
+
+    def _histogram(self, tag: str, hist: dict[str, Any], step: int) -> None:
+        counts, lo, hi = hist["counts"], hist["lo"], hist["hi"]
+        if not (math.isfinite(lo) and math.isfinite(hi)) or not sum(counts):
+            return
+        width = (hi - lo) / len(counts) or 1.0
+        limits = [lo + width * (i + 1) for i in range(len(counts))]
+        centers = [lo + width * (i + 0.5) for i in range(len(counts))]
+        total = sum(counts)
+        self._writer.add_histogram_raw(
+            tag, min=lo, max=hi, num=total,
+            sum=sum(c * x for c, x in zip(counts, centers, strict=True)),
+            sum_squares=sum(c * x * x for c, x in zip(counts, centers, strict=True)),
+            bucket_limits=limits, bucket_counts=counts, global_step=step,
+        )
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {key: _plain(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(item) for item in obj]
+    return obj
+
+
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a Monitor's log, as dicts; ``"nan"``/``"inf"`` strings become floats.
+
+    Args:
+        path: The run's ``log_dir`` or the ``.jsonl`` file itself.
+
+    Returns:
+        The records in the order written; a torn last line (a crash mid-write) is skipped.
+    """
+    from ._report._data import log_path, read_records
+
+    return read_records(log_path(path))
