@@ -3,14 +3,14 @@
 Each ``fault`` injects one pathology into an otherwise healthy run, so that the Monitor's
 finding appears on the layer named in :data:`FAULTS`:
 
-- ``nan``: one step's output of ``features.3`` (the second conv) holds NaNs, as an overflow
-  would leave them; the step is skipped, as a guarded training loop does.
+- ``nan``: for one step, one weight of ``features.3`` (the second conv) is NaN, as a bad
+  update or an overflow would leave it; its output is the first to hold NaNs, and the step is
+  skipped, as a guarded training loop does.
 - ``dead``: ``features.4`` (the second BatchNorm) gets a shift of -20, so the ReLU after it
   (``features.5``) never fires again.
-- ``explode`` / ``vanish``: the gradient leaving ``classifier.1`` towards its input is
-  multiplied by 1e6 / 1e-9 (an intervention at ``grad_input``), so every earlier layer sees
-  an exploding / vanishing gradient, starting with ``classifier.0`` (the Flatten whose
-  output is that input) in backward order.
+- ``explode`` / ``vanish``: the backward of ``classifier.1`` multiplies the gradient it
+  sends to its input by 1e6 / 1e-9 (an intervention at ``grad_input``), so every earlier
+  layer sees an exploding / vanishing gradient, and the jump happens at ``classifier.1``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ FAULTS: dict[str, tuple[str, str] | None] = {
     "none": None,
     "nan": ("nonfinite", "features.3"),
     "dead": ("dead_units", "features.5"),
-    "explode": ("exploding_gradient", "classifier.0"),
-    "vanish": ("vanishing_gradient", "classifier.0"),
+    "explode": ("exploding_gradient", "classifier.1"),
+    "vanish": ("vanishing_gradient", "classifier.1"),
 }
 
 
@@ -96,17 +96,24 @@ def _fault_context(model: nn.Module, fault: str, step: int, nan_step: int) -> An
     from ._intervene import intervene
 
     if fault == "nan" and step == nan_step:
-
-        def poison(out: torch.Tensor, site: Any) -> torch.Tensor:
-            out = out.clone()
-            out[0, 0, 0, 0] = math.nan
-            return out
-
-        return intervene(model, {"features.3": poison}, at="output")
+        return _nan_weight(model.features[3].weight)
     if fault in ("explode", "vanish"):
         scale = 1e6 if fault == "explode" else 1e-9
         return intervene(model, {"classifier.1": lambda g, site: g * scale}, at="grad_input")
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _nan_weight(weight: torch.Tensor) -> Any:
+    """One NaN in a conv kernel for one step, as a bad update or overflow would leave it."""
+    with torch.no_grad():
+        old = weight[0, 0, 0, 0].item()
+        weight[0, 0, 0, 0] = math.nan
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            weight[0, 0, 0, 0] = old
 
 
 def _progress(total: int, enabled: bool) -> Any:
