@@ -54,8 +54,9 @@ class Monitor:
             where they come from); keyword arguments override single fields.
 
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
-    before it. Statistics are collected from forward passes run with autograd enabled;
-    evaluation passes under ``torch.no_grad()`` are only checked for NaN/Inf.
+    before it. Statistics are collected from modules in training mode; evaluation passes
+    (``model.eval()``) are only checked for NaN/Inf, and each record says whether the model
+    was training.
     ``on_nonfinite="raise"`` raises at ``step()``, not inside the forward pass: raising
     inside a hook would need a host sync per module.
     """
@@ -140,12 +141,18 @@ class Monitor:
         self._param: dict[str, torch.Tensor] = {}
         self._before: dict[str, torch.Tensor] = {}
         self._updates = 0
+        self._no_grad_names: set[str] = set()
 
     # -- hooks -----------------------------------------------------------------------------
     def _on_forward(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if in_backward_recompute():  # activation checkpointing re-runs forward: seen already
-            return
         outs = [t for t in tensors(output) if t.is_floating_point()]
+        if in_backward_recompute():
+            # Activation checkpointing re-runs forward during backward: never count it again.
+            # A reentrant checkpoint ran the first pass without autograd; the gradients flow
+            # through this re-run, so hook them here.
+            if name in self._no_grad_names:
+                self._hook_grads(name, outs)
+            return
         if not outs:
             return
         ins = [self._seen[id(t)] for t in tensors(args) if id(t) in self._seen]
@@ -157,12 +164,11 @@ class Monitor:
         self._flags.append(("forward", name, total, ins))
         for t in outs:
             self._seen[id(t)] = len(self._flags) - 1
-        grad_on = torch.is_grad_enabled()
-        if grad_on:
-            for t in outs:
-                if t.requires_grad:
-                    self._hooks.tensor(t, functools.partial(self._on_grad, name))
-        if not (self.sampled and grad_on):
+        if torch.is_grad_enabled():
+            self._hook_grads(name, outs)
+        else:
+            self._no_grad_names.add(name)
+        if not (self.sampled and module.training):
             return
         vector = torch.stack([
             activation(t, bounds=bounded(module), dead=relu_like(module), dead_at=self.thresholds.dead_unit)
@@ -174,6 +180,11 @@ class Monitor:
         self._act[name] = merge_activation(self._act[name], merged) if name in self._act else merged
         if self.histograms:
             self._hist[name] = histogram(outs[0], self.bins)
+
+    def _hook_grads(self, name: str, outs: list[torch.Tensor]) -> None:
+        for t in outs:
+            if t.requires_grad:
+                self._hooks.tensor(t, functools.partial(self._on_grad, name))
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> None:
         g = grad.detach()
