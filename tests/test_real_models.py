@@ -309,22 +309,19 @@ CASE_IDS = ["gpt2", "bert", "resnet"]
 # key, value and the residual add), autograd then sums the same gradient contributions in a
 # different grouping: the parameter gradients differ in the last bits (about 1e-7 relative).
 # PyTorch's own full backward hooks insert the same kind of node and do the same.
-REASSOCIATES = pytest.mark.xfail(
-    strict=True, reason="grad_input copies re-associate float sums of gradients (BERT)"
-)
+# That case (BERT with grad_input) is covered by the rounding test below instead.
+BIT_IDENTICAL = [
+    pytest.param(case, what, id=f"{case_id}-{what_id}")
+    for case, case_id in zip(CASES, CASE_IDS, strict=True)
+    for what, what_id in ((ALL, "all_points"), (("input", "output", "grad_output"), "no_grad_input"))
+    if not (case is _bert_case and what is ALL)
+]
 
 
-@pytest.mark.parametrize(
-    "what",
-    [ALL, ("input", "output", "grad_output")],
-    ids=["all_points", "no_grad_input"],
-)
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("case", "what"), BIT_IDENTICAL)
 def test_capturing_everything_leaves_outputs_and_gradients_bit_identical(
-    case: Callable, what: tuple[str, ...], request: pytest.FixtureRequest
+    case: Callable, what: tuple[str, ...]
 ) -> None:
-    if case is _bert_case and "grad_input" in what:
-        request.applymarker(REASSOCIATES)
     model, run = case()
     bare = copy.deepcopy(model)
     with hs.capture(model, "**", what=what) as cap:
@@ -609,21 +606,9 @@ class SharedAcrossSegments(nn.Module):
         return x.pow(2).sum()
 
 
-BUG_REENTRANT_ORDER = pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _capture.py pairs reentrant-checkpoint recomputes with records FIFO "
-    "(popleft), but backward recomputes the last segment first",
-)
-BUG_RECOMPUTE_CALL = pytest.mark.xfail(
-    strict=True,
-    reason="BUG: CallClock.next_recompute numbers recomputes in backward order, so "
-    "site.call during a recompute is not the call index of the forward pass",
-)
-
-
 @pytest.mark.parametrize(
     "reentrant",
-    [False, pytest.param(True, marks=BUG_REENTRANT_ORDER)],
+    [False, True],
     ids=["non_reentrant", "reentrant"],
 )
 def test_gradients_of_a_module_shared_across_checkpoint_segments_go_to_the_right_call(
@@ -648,7 +633,7 @@ def test_gradients_of_a_module_shared_across_checkpoint_segments_go_to_the_right
 
 @pytest.mark.parametrize(
     "reentrant",
-    [pytest.param(False, marks=BUG_RECOMPUTE_CALL), pytest.param(True, marks=BUG_RECOMPUTE_CALL)],
+    [False, True],
     ids=["non_reentrant", "reentrant"],
 )
 def test_call_dependent_edit_under_checkpointing_gives_the_plain_gradients(reentrant: bool) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -98,7 +98,9 @@ class Capture:
         self._named = _exact_names(where, self.names)
         self._records: dict[str, list[Record]] = {name: [] for name in self.names}
         self._open: dict[str, list[Record | None]] = defaultdict(list)  # pre-hook -> hook
-        self._no_grad: dict[str, deque[Record]] = defaultdict(deque)  # await a recompute
+        # Records of forward passes run without autograd that asked for gradients: a reentrant
+        # checkpoint re-runs them with autograd during backward, and the gradients come then.
+        self._no_grad: dict[tuple[str, int, int], Record] = {}
         self._hooks = HookSet("capture")
         self._grads_seen = False
         try:
@@ -123,17 +125,17 @@ class Capture:
         if in_backward_recompute():
             # A checkpoint re-runs forward: never a new record. If the first run had no
             # autograd (reentrant checkpoint), this run carries the gradients: attach them.
-            waiting = self._no_grad[name]
-            record = waiting.popleft() if (waiting and torch.is_grad_enabled()) else None
+            original = self._clock.original(name, args) if torch.is_grad_enabled() else None
+            record = self._no_grad.pop((name, *original), None) if original else None
             self._open[name].append(record)
             return self._hook_grad_inputs(record, args, kwargs) if record else None
-        record = Record(name, self._clock.next(name), self._clock.pass_)
+        record = Record(name, self._clock.next(name, args), self._clock.pass_)
         self._open[name].append(record)
         if "input" in self.what:
             record.input = self._keeper.value(args)
             record.kwargs = self._keeper.value(kwargs)
         if self._grads and not torch.is_grad_enabled():
-            self._no_grad[name].append(record)
+            self._no_grad[(name, record._pass, record.call)] = record
             return None
         return self._hook_grad_inputs(record, args, kwargs)
 
@@ -159,7 +161,7 @@ class Capture:
                 else None
             )
         if record is None:
-            record = Record(name, self._clock.next(name), self._clock.pass_)
+            record = Record(name, self._clock.next(name, args), self._clock.pass_)
         if "output" in self.what:
             record.output = self._keeper.value(output)
         self._store(name, record)
@@ -203,7 +205,7 @@ class Capture:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        waiting = [name for name, queue in self._no_grad.items() if queue]
+        waiting = sorted({name for name, _, _ in self._no_grad})
         unreached = len(self._hooks._tensor_handles) > 0 and not self._grads_seen
         self.close()
         self._no_grad.clear()

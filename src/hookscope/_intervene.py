@@ -111,10 +111,13 @@ class Intervention:
         else:
             self._hooks.forward_pre(module, functools.partial(self._hook_grad_input, name, fns))
 
-    def _site(self, name: str, module: nn.Module, index: int | None = None) -> Site:
-        recompute = in_backward_recompute()
-        call = self._clock.next_recompute(name) if recompute else self._clock.next(name)
-        return Site(name, module, call, self.at, index)
+    def _site(self, name: str, module: nn.Module, args: tuple) -> Site:
+        if in_backward_recompute():  # a checkpoint re-run: the same edit as the first pass
+            original = self._clock.original(name, args)
+            call = original[1] if original is not None else -1
+        else:
+            call = self._clock.next(name, args)
+        return Site(name, module, call, self.at)
 
     # -- forward edits (applied the same way when a checkpoint re-runs forward) ------------
     def _edit_output(
@@ -122,7 +125,7 @@ class Intervention:
     ) -> Any:
         if forward_failed(output):
             return None
-        site = self._site(name, module)
+        site = self._site(name, module, args)
         value = output
         for fn in fns:
             value = _apply(fn, value, site)
@@ -131,7 +134,7 @@ class Intervention:
     def _edit_input(
         self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict
     ) -> Any:
-        site = self._site(name, module)
+        site = self._site(name, module, args)
         value = args
         for fn in fns:
             new = fn(value, site)
@@ -152,7 +155,7 @@ class Intervention:
         if not torch.is_grad_enabled():
             self._no_grad.append(name)
             return None
-        call = self._site(name, module).call
+        call = self._site(name, module, args).call
         new, aliases = alias_grad_outputs(output, args, kwargs)
         for i, t in enumerate(aliases):
             if t is not None:
@@ -166,7 +169,7 @@ class Intervention:
         if not torch.is_grad_enabled():
             self._no_grad.append(name)
             return None
-        call = self._site(name, module).call
+        call = self._site(name, module, args).call
         args, indices = alias_grad_inputs(args)
         for i in indices:
             site = Site(name, module, call, self.at, i)

@@ -6,7 +6,7 @@ A *site* is one place a value passes: a module's input, output, or the gradient 
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,9 @@ class Site:
     Attributes:
         name: Qualified name of the module.
         module: The module itself.
-        call: Index of this call among the module's calls in the current forward pass.
+        call: Index of this call among the module's calls in the current forward pass. When
+            activation checkpointing re-runs the forward during backward, the index of the
+            first-pass call being repeated (``-1`` in the rare case it cannot be told).
         at: ``"input"``, ``"output"``, ``"grad_input"`` or ``"grad_output"``.
         index: For gradient sites, which tensor (position in ``grad_input`` / ``grad_output``)
             the gradient belongs to; ``None`` otherwise.
@@ -50,15 +52,20 @@ class CallClock:
 
     A pass starts when the root module is called (a pre-hook registered first). When the
     root is never called (the user calls submodules directly), calls count from the start.
-    Re-runs of forward during backward (activation checkpointing) are counted apart, per
-    backward pass, so that they can be matched to the original calls.
+
+    Activation checkpointing re-runs forward during backward, segment by segment and last
+    segment first. :meth:`original` finds which call of the first pass a re-run repeats: the
+    first module of a segment is recognised by its input storage (the checkpoint hands it
+    the very tensors of the first pass), and the modules after it follow the first pass's
+    order from there.
     """
 
     def __init__(self, hooks: HookSet, root: nn.Module) -> None:
         self.pass_ = 0
         self._calls: dict[str, int] = defaultdict(int)
-        self._recompute_calls: dict[str, int] = defaultdict(int)
-        self._recompute_task = -1
+        self._trail: deque[tuple[str, int, int, tuple | None]] = deque(maxlen=1 << 16)
+        self._task = -1
+        self._at: int | None = None  # position in the trail of the last re-run call
         hooks.forward_pre(root, self._root_called, prepend=True)
 
     def _root_called(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -66,19 +73,39 @@ class CallClock:
             self.pass_ += 1
             self._calls.clear()
 
-    def next(self, name: str) -> int:
+    def next(self, name: str, args: tuple[Any, ...] = ()) -> int:
+        """Index of this call of ``name`` in the current pass (a first-pass call)."""
         call = self._calls[name]
         self._calls[name] = call + 1
+        self._trail.append((name, self.pass_, call, _storage_key(args)))
         return call
 
-    def next_recompute(self, name: str) -> int:
+    def original(self, name: str, args: tuple[Any, ...] = ()) -> tuple[int, int] | None:
+        """During a re-run: ``(pass, call)`` of the first-pass call it repeats, if known."""
         task = torch._C._current_graph_task_id()
-        if task != self._recompute_task:
-            self._recompute_task = task
-            self._recompute_calls.clear()
-        call = self._recompute_calls[name]
-        self._recompute_calls[name] = call + 1
-        return call
+        if task != self._task:
+            self._task, self._at = task, None
+        trail = self._trail
+        at = self._at
+        if at is not None and at + 1 < len(trail) and trail[at + 1][0] == name:
+            self._at = at + 1
+        else:
+            key = _storage_key(args)
+            found = [i for i in range(len(trail) - 1, -1, -1)
+                     if key is not None and trail[i][0] == name and trail[i][3] == key]
+            if not found:
+                self._at = None
+                return None
+            self._at = found[0]
+        entry = trail[self._at]
+        return entry[1], entry[2]
+
+
+def _storage_key(args: tuple[Any, ...]) -> tuple | None:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return (arg.data_ptr(), tuple(arg.shape), arg.dtype)
+    return None
 
 
 def alias_grad_inputs(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]]:
