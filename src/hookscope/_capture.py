@@ -53,6 +53,15 @@ def capture(
         clone: Copy what is kept (the default), so a later in-place change made by the model
             cannot alter it. With ``clone=False`` a changed value raises on read instead.
 
+    Gradients are read with tensor hooks set during the forward pass (never
+    ``register_full_backward_hook``), so they work with in-place ops after the module and on
+    dict or dataclass outputs. Capturing outputs, inputs and ``grad_output`` changes no bit of
+    the model's outputs or gradients. ``grad_input`` gives each positional input a copy of its
+    own, so that its hook sees only the gradient flowing through this module; where an input
+    also feeds other modules, autograd then adds the same gradient terms in another order,
+    and parameter gradients may differ in the last bits (about 1e-7 relative, as with
+    PyTorch's own full backward hooks).
+
     Returns:
         A :class:`Capture`: ``cap[name]`` is the module's last :class:`Record`.
 

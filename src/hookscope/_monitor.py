@@ -160,7 +160,8 @@ class Monitor:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and id(t) not in self._seen:
                 self._flags.append(("input", name, t.detach().sum(), []))
                 ins.append(len(self._flags) - 1)
-        total = outs[0].detach().sum() if len(outs) == 1 else torch.stack([t.detach().sum() for t in outs]).sum()
+        sums = [t.detach().sum() for t in outs]
+        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
         self._flags.append(("forward", name, total, ins))
         for t in outs:
             self._seen[id(t)] = len(self._flags) - 1
@@ -171,8 +172,9 @@ class Monitor:
         if not (self.sampled and module.training):
             return
         vector = torch.stack([
-            activation(t, bounds=bounded(module), dead=relu_like(module), dead_at=self.thresholds.dead_unit)
-            for t in outs
+            activation(t, bounds=bounded(module), dead=relu_like(module),
+                       dead_at=self.thresholds.dead_unit, total=total_t)
+            for t, total_t in zip(outs, sums, strict=True)
         ])
         merged = vector[0]
         for row in vector[1:]:

@@ -35,10 +35,16 @@ def bounded(module: nn.Module) -> tuple[float, float] | None:
 
 @torch.no_grad()
 def activation(
-    t: torch.Tensor, *, bounds: tuple[float, float] | None, dead: bool, dead_at: float
+    t: torch.Tensor,
+    *,
+    bounds: tuple[float, float] | None,
+    dead: bool,
+    dead_at: float,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``ACT_FIELDS`` of one tensor, float32, on ``t``'s device.
 
+    ``total`` is ``t.sum()`` when the caller has it already (the non-finite flag).
     ``dead`` (ReLU-like modules only) is the fraction of units that are <= 0 on at least
     ``dead_at`` of their activations; units lie along dim 1 for 2-D and >=4-D outputs and
     along the last dim for 3-D (batch, sequence, features) outputs.
@@ -56,7 +62,7 @@ def activation(
     )
     dead_frac = _dead_fraction(x, dead_at) if dead else x.new_zeros(())
     return torch.stack([
-        x.sum(), torch.linalg.vector_norm(x).square(), lo, hi, (x == 0).sum(), sat,
+        x.sum() if total is None else total.float(), torch.linalg.vector_norm(x).square(), lo, hi, (x == 0).sum(), sat,
         nan, numel - finite - nan, x.new_tensor(numel), dead_frac,
     ]).float()
 
