@@ -288,3 +288,14 @@ def test_custom_sink_and_bad_arguments() -> None:
     with pytest.raises(hs.SelectionError):
         hs.Monitor(model, where="nope")
     assert_no_hooks(model)
+
+
+def test_histograms_and_tensorboard_events(tmp_path) -> None:
+    model = MLP()
+    with hs.Monitor(model, every=1, log_dir=tmp_path, histograms=True, bins=8) as mon:
+        model(torch.randn(32, 8)).sum().backward()
+        mon.step(loss=1.0)
+    hist = mon.records[1]["act"]["fc1"]["hist"]
+    assert len(hist["counts"]) == 8 and sum(hist["counts"]) == 32 * 32
+    assert hist["lo"] < hist["hi"]
+    assert list(tmp_path.glob("events.out.tfevents.*"))
