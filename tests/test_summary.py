@@ -11,6 +11,7 @@ from torch import nn
 import hookscope as hs
 from hookscope._demo import DigitsCNN
 from hookscope.testing import assert_no_hooks
+from models import bert
 
 torchinfo = pytest.importorskip("torchinfo")
 
@@ -21,23 +22,9 @@ def _gpt2() -> nn.Module:
     return GPT2Model(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32))
 
 
-def _bert() -> nn.Module:
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    return BertModel(config)
-
-
 CASES = {
     "gpt2": (_gpt2, lambda: torch.zeros(2, 8, dtype=torch.long)),
-    "bert": (_bert, lambda: torch.zeros(2, 8, dtype=torch.long)),
+    "bert": (bert, lambda: torch.zeros(2, 8, dtype=torch.long)),
     "cnn": (DigitsCNN, lambda: torch.zeros(2, 1, 8, 8)),
 }
 
