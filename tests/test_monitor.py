@@ -299,3 +299,28 @@ def test_histograms_and_tensorboard_events(tmp_path) -> None:
     assert len(hist["counts"]) == 8 and sum(hist["counts"]) == 32 * 32
     assert hist["lo"] < hist["hi"]
     assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor:UserWarning")
+def test_monitor_attached_before_compile_sees_the_compiled_steps_and_refuses_after() -> None:
+    import torch._dynamo
+
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    torch._dynamo.reset()
+    try:
+        with hs.Monitor(model, every=1, optimizer=opt) as mon:
+            compiled = torch.compile(model, backend="eager")
+            for _ in range(2):
+                compiled(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step()
+        steps = [r for r in mon.records if r["type"] == "step"]
+        assert [sorted(r["act"]) for r in steps] == [["act", "fc1", "fc2", "risky"]] * 2
+        assert steps[1]["grad"]["fc1"]["norm"] > 0
+        with pytest.raises(hs.CompiledModelError, match="Monitor"):
+            hs.Monitor(compiled)
+        assert_no_hooks(model)
+    finally:
+        torch._dynamo.reset()
