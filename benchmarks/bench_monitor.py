@@ -26,9 +26,18 @@ import hookscope as hs
 def gpt2() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=5000, n_positions=128,
-                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        vocab_size=5000,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     ids = torch.randint(0, 5000, (8, 128))
     return GPT2LMHeadModel(config), lambda m: m(ids, labels=ids).loss
 
@@ -48,9 +57,15 @@ class Block(nn.Module):
 
 
 def cnn() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
-                          *[Block(32) for _ in range(4)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                          nn.Linear(32, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(inplace=True),
+        *[Block(32) for _ in range(4)],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
     x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
     return model, lambda m: nn.functional.cross_entropy(m(x), y)
 
@@ -59,8 +74,11 @@ class NaiveItemHooks:
     """The hand-written monitor: six stats per module output, each read with .item()."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.handles = [m.register_forward_hook(self.hook) for n, m in model.named_modules()
-                        if n and not list(m.children())]
+        self.handles = [
+            m.register_forward_hook(self.hook)
+            for n, m in model.named_modules()
+            if n and not list(m.children())
+        ]
         self.rows: list[list[float]] = []
 
     @staticmethod
@@ -69,8 +87,14 @@ class NaiveItemHooks:
             out = out[0]
         if isinstance(out, torch.Tensor) and out.is_floating_point():
             t = out.detach()
-            [t.mean().item(), t.std().item(), t.min().item(), t.max().item(),
-             (t == 0).float().mean().item(), (~torch.isfinite(t)).sum().item()]
+            [
+                t.mean().item(),
+                t.std().item(),
+                t.min().item(),
+                t.max().item(),
+                (t == 0).float().mean().item(),
+                (~torch.isfinite(t)).sum().item(),
+            ]
 
     def step(self, **_: object) -> None:
         pass
@@ -125,7 +149,7 @@ def measure(name: str, build, pairs: int) -> list[tuple[str, float, float]]:
         watcher = make()
         anomaly = watcher.ctx if isinstance(watcher, Anomaly) else contextlib.nullcontext()
 
-        def watched() -> float:
+        def watched(watcher=watcher, anomaly=anomaly) -> float:
             start = time.perf_counter()
             with anomaly:
                 opt.zero_grad(set_to_none=True)
@@ -161,7 +185,9 @@ def main() -> None:
     for name, build in (("gpt2", gpt2), ("cnn", cnn)):
         if args.only in (None, name):
             results[name] = measure(name, build, pairs)
-    print(f"\n{pairs} pairs per condition; ratio of summed step times (median of per-pair ratios)\n")
+    print(
+        f"\n{pairs} pairs per condition; ratio of summed step times (median of per-pair ratios)\n"
+    )
     names = list(results)
     print("| condition | " + " | ".join(f"{n} train step" for n in names) + " |")
     print("|---|" + "---:|" * len(names))

@@ -15,8 +15,15 @@ import hookscope as hs
 
 def main() -> None:
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=100, n_positions=32,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        vocab_size=100,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 100, (2, 16))
 

@@ -11,7 +11,9 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_example_runs(path: Path, capsys: pytest.CaptureFixture[str], monkeypatch, tmp_path) -> None:
+def test_example_runs(
+    path: Path, capsys: pytest.CaptureFixture[str], monkeypatch, tmp_path
+) -> None:
     monkeypatch.setattr(sys, "argv", [str(path)])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)

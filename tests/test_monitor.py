@@ -35,7 +35,16 @@ class MLP(nn.Module):
         return self.fc2(self.risky(self.act(self.fc1(x))))
 
 
-def train(model, steps=20, *, lr=1e-2, before_step=None, mon_kwargs=None, batch=None, optim=torch.optim.SGD):
+def train(
+    model,
+    steps=20,
+    *,
+    lr=1e-2,
+    before_step=None,
+    mon_kwargs=None,
+    batch=None,
+    optim=torch.optim.SGD,
+):
     torch.manual_seed(1)
     opt = optim(model.parameters(), lr=lr)
     x, y = batch or (torch.randn(64, 8), torch.randint(0, 4, (64,)))
@@ -162,8 +171,15 @@ def test_healthy_digits_cnn_with_batchnorm_and_inplace_relu() -> None:
 def test_healthy_gpt2_has_no_findings_and_counts_tied_weights_once() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=100,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, 100, (4, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -263,7 +279,10 @@ def test_jsonl_log_survives_a_torn_line_and_round_trips_nan(tmp_path) -> None:
         f.write('{"type": "step", "ste')  # a crash in the middle of a write
     records = hs.read_log(tmp_path)
     assert [r["type"] for r in records] == ["header", "step"]
-    assert records[1]["scalars"]["note"] == 2.0 and records[1]["scalars"]["loss"] != records[1]["scalars"]["loss"]
+    assert (
+        records[1]["scalars"]["note"] == 2.0
+        and records[1]["scalars"]["loss"] != records[1]["scalars"]["loss"]
+    )
     json.loads((tmp_path / "hookscope.jsonl").read_text().splitlines()[1])  # strict JSON
 
 

@@ -313,7 +313,10 @@ CASE_IDS = ["gpt2", "bert", "resnet"]
 BIT_IDENTICAL = [
     pytest.param(case, what, id=f"{case_id}-{what_id}")
     for case, case_id in zip(CASES, CASE_IDS, strict=True)
-    for what, what_id in ((ALL, "all_points"), (("input", "output", "grad_output"), "no_grad_input"))
+    for what, what_id in (
+        (ALL, "all_points"),
+        (("input", "output", "grad_output"), "no_grad_input"),
+    )
     if not (case is _bert_case and what is ALL)
 ]
 

@@ -6,6 +6,8 @@ values and gradients, tap intermediate tensors, monitor and diagnose training, a
 
 from ._capture import Capture as Capture
 from ._capture import capture as capture
+from ._diagnose import Finding as Finding
+from ._diagnose import Thresholds as Thresholds
 from ._errors import CompiledModelError as CompiledModelError
 from ._errors import HookscopeError as HookscopeError
 from ._errors import HookscopeWarning as HookscopeWarning
@@ -14,8 +16,6 @@ from ._errors import NeverCalledWarning as NeverCalledWarning
 from ._errors import NoGradWarning as NoGradWarning
 from ._errors import NonFiniteError as NonFiniteError
 from ._errors import SelectionError as SelectionError
-from ._diagnose import Finding as Finding
-from ._diagnose import Thresholds as Thresholds
 from ._extract import extract as extract
 from ._intervene import Intervention as Intervention
 from ._intervene import intervene as intervene
@@ -35,30 +35,30 @@ from ._tap import Tap as Tap
 __version__ = "0.1.0"
 
 __all__ = [
-    "Finding",
-    "JsonlSink",
-    "MemorySink",
-    "Monitor",
-    "Sink",
-    "TensorBoardSink",
-    "Thresholds",
-    "read_log",
     "Capture",
     "CompiledModelError",
+    "Finding",
     "HookscopeError",
     "HookscopeWarning",
     "Intervention",
     "InterventionError",
+    "JsonlSink",
+    "MemorySink",
+    "Monitor",
     "NeverCalledWarning",
     "NoGradWarning",
     "NonFiniteError",
     "Record",
     "SelectionError",
+    "Sink",
     "Site",
     "Tap",
+    "TensorBoardSink",
+    "Thresholds",
     "capture",
     "extract",
     "intervene",
+    "read_log",
     "report",
     "select",
     "summary",

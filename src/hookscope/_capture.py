@@ -154,9 +154,7 @@ class Capture:
         record._grad_in = [None] * len(args)
         args, indices = alias_grad_inputs(args)
         for i in indices:
-            self._hooks.tensor(
-                args[i], functools.partial(self._store_grad, record, "_grad_in", i)
-            )
+            self._hooks.tensor(args[i], functools.partial(self._store_grad, record, "_grad_in", i))
         return (args, kwargs) if indices else None
 
     def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -185,9 +183,7 @@ class Capture:
         record._grad_out = [None] * len(tensors(output))
         for i, t in enumerate(aliases):
             if t is not None:
-                self._hooks.tensor(
-                    t, functools.partial(self._store_grad, record, "_grad_out", i)
-                )
+                self._hooks.tensor(t, functools.partial(self._store_grad, record, "_grad_out", i))
         return None if new is output else new
 
     def _store_grad(self, record: Record, slot: str, index: int, grad: torch.Tensor) -> None:

@@ -93,34 +93,64 @@ class Diagnosis:
         bad = [not math.isfinite(v) for v in host]
         forward = [i for i, (phase, *_rest) in enumerate(flags) if phase == "forward"]
         for i in forward:
-            phase, name, _, ins = flags[i]
+            _phase, name, _, ins = flags[i]
             if bad[i] and not any(bad[j] for j in ins):
-                return [Finding("nonfinite", name, step, host[i],
-                                f"forward: the output of {name!r} holds NaN/Inf (sum={host[i]}) while "
-                                f"its inputs were finite, at step {step}; later modules inherit it")]
+                return [
+                    Finding(
+                        "nonfinite",
+                        name,
+                        step,
+                        host[i],
+                        f"forward: the output of {name!r} holds NaN/Inf (sum={host[i]}) while "
+                        f"its inputs were finite, at step {step}; later modules inherit it",
+                    )
+                ]
         first_bad = next((i for i in forward if bad[i]), None)
         if first_bad is not None:
             name = flags[first_bad][1]
-            return [Finding("nonfinite", name, step, host[first_bad],
-                            f"forward: the inputs of {name!r} were already NaN/Inf at step {step} "
-                            "(check the data, or a module that runs outside the watched ones)")]
+            return [
+                Finding(
+                    "nonfinite",
+                    name,
+                    step,
+                    host[first_bad],
+                    f"forward: the inputs of {name!r} were already NaN/Inf at step {step} "
+                    "(check the data, or a module that runs outside the watched ones)",
+                )
+            ]
         backward = [i for i, (phase, *_rest) in enumerate(flags) if phase == "backward"]
         for k, i in enumerate(backward):
             if not bad[i]:
                 continue
             name = flags[i][1]
             if k == 0:
-                return [Finding("nonfinite", name, step, host[i],
-                                f"backward: the gradient reaching {name!r} from the loss was already "
-                                f"NaN/Inf at step {step}, with a finite forward pass")]
+                return [
+                    Finding(
+                        "nonfinite",
+                        name,
+                        step,
+                        host[i],
+                        f"backward: the gradient reaching {name!r} from the loss was already "
+                        f"NaN/Inf at step {step}, with a finite forward pass",
+                    )
+                ]
             culprit = flags[backward[k - 1]][1]
-            return [Finding("nonfinite", culprit, step, host[i],
-                            f"backward: {culprit!r} turned a finite gradient into NaN/Inf (the "
-                            f"gradient of {name!r} became non-finite) at step {step}")]
+            return [
+                Finding(
+                    "nonfinite",
+                    culprit,
+                    step,
+                    host[i],
+                    f"backward: {culprit!r} turned a finite gradient into NaN/Inf (the "
+                    f"gradient of {name!r} became non-finite) at step {step}",
+                )
+            ]
         return []
 
     # -- sampled steps ---------------------------------------------------------------------
-    def sampled(self, step: int, record: dict[str, Any], modules: dict[str, nn.Module]) -> list[Finding]:
+    def sampled(
+        self, step: int, record: dict[str, Any], modules: dict[str, nn.Module]
+    ) -> list[Finding]:
         found = self._units(step, record["act"])
         found += self._gradients(step, record["act"], record["grad"], record.get("grad_order", []))
         found += self._updates(step, record["param"])
@@ -130,41 +160,77 @@ class Diagnosis:
         found = []
         for name, s in act.items():
             if s.get("dead_frac", 0.0) >= self.t.dead_layer:
-                found.append(Finding("dead_units", name, step, s["dead_frac"],
-                                     f"{s['dead_frac']:.0%} of the units of {name!r} are <= 0 on at least "
-                                     f"{self.t.dead_unit:.0%} of their inputs (zero fraction "
-                                     f"{s['zero_frac']:.0%}) at step {step}: dying ReLUs; lower the "
-                                     "learning rate, check the bias/initialization, or try LeakyReLU"))
+                found.append(
+                    Finding(
+                        "dead_units",
+                        name,
+                        step,
+                        s["dead_frac"],
+                        f"{s['dead_frac']:.0%} of the units of {name!r} are <= 0 on at least "
+                        f"{self.t.dead_unit:.0%} of their inputs (zero fraction "
+                        f"{s['zero_frac']:.0%}) at step {step}: dying ReLUs; lower the "
+                        "learning rate, check the bias/initialization, or try LeakyReLU",
+                    )
+                )
             if s.get("sat_frac", 0.0) > self.t.saturated:
-                found.append(Finding("saturated_units", name, step, s["sat_frac"],
-                                     f"{s['sat_frac']:.0%} of the outputs of {name!r} sit at the "
-                                     f"activation's bounds at step {step} (mean {s['mean']:.3g}, "
-                                     f"min {s['min']:.3g}, max {s['max']:.3g}): its gradients vanish; "
-                                     "normalize its inputs or lower the initialization scale"))
+                found.append(
+                    Finding(
+                        "saturated_units",
+                        name,
+                        step,
+                        s["sat_frac"],
+                        f"{s['sat_frac']:.0%} of the outputs of {name!r} sit at the "
+                        f"activation's bounds at step {step} (mean {s['mean']:.3g}, "
+                        f"min {s['min']:.3g}, max {s['max']:.3g}): its gradients vanish; "
+                        "normalize its inputs or lower the initialization scale",
+                    )
+                )
         return found
 
     def _gradients(self, step: int, act: dict, grad: dict, order: list[str]) -> list[Finding]:
-        rms = [(name, grad[name]["norm"] / math.sqrt(max(act[name]["numel"], 1)))
-               for name in order if name in grad and name in act]
+        rms = [
+            (name, grad[name]["norm"] / math.sqrt(max(act[name]["numel"], 1)))
+            for name in order
+            if name in grad and name in act
+        ]
         rms = [(n, r) for n, r in rms if math.isfinite(r)]
         if len(rms) < 2 or rms[0][1] <= 0:
             return []
         (near_loss, top), (near_input, bottom) = rms[0], rms[-1]
         ratio = bottom / top
-        gains = [(rms[k + 1][1] / r if r > 0 else math.inf, rms[k][0]) for k, (_, r) in enumerate(rms[:-1])]
-        evidence = (f"RMS gradient {bottom:.3g} at {near_input!r} (input side) vs {top:.3g} at "
-                    f"{near_loss!r} (loss side), ratio {ratio:.3g}, at step {step}")
+        gains = [
+            (rms[k + 1][1] / r if r > 0 else math.inf, rms[k][0])
+            for k, (_, r) in enumerate(rms[:-1])
+        ]
+        evidence = (
+            f"RMS gradient {bottom:.3g} at {near_input!r} (input side) vs {top:.3g} at "
+            f"{near_loss!r} (loss side), ratio {ratio:.3g}, at step {step}"
+        )
         if ratio > self.t.explode_ratio:
             gain, culprit = max(gains)
-            return [Finding("exploding_gradient", culprit, step, ratio,
-                            f"{evidence}; the largest jump (x{gain:.3g}) happens in the backward of "
-                            f"{culprit!r}. Lower the learning rate, clip gradients, or check its scale")]
+            return [
+                Finding(
+                    "exploding_gradient",
+                    culprit,
+                    step,
+                    ratio,
+                    f"{evidence}; the largest jump (x{gain:.3g}) happens in the backward of "
+                    f"{culprit!r}. Lower the learning rate, clip gradients, or check its scale",
+                )
+            ]
         if ratio < self.t.vanish_ratio and bottom < self.t.vanish_rms:
             gain, culprit = min(gains)
-            return [Finding("vanishing_gradient", culprit, step, ratio,
-                            f"{evidence}; the largest drop (x{gain:.3g}) happens in the backward of "
-                            f"{culprit!r}. Check saturating activations, initialization, or add "
-                            "normalization/residual connections")]
+            return [
+                Finding(
+                    "vanishing_gradient",
+                    culprit,
+                    step,
+                    ratio,
+                    f"{evidence}; the largest drop (x{gain:.3g}) happens in the backward of "
+                    f"{culprit!r}. Check saturating activations, initialization, or add "
+                    "normalization/residual connections",
+                )
+            ]
         return []
 
     def _updates(self, step: int, param: dict[str, dict[str, float]]) -> list[Finding]:
@@ -178,9 +244,16 @@ class Diagnosis:
             if self._streak[name] >= self.t.update_patience:
                 module = name.rsplit(".", 1)[0] if "." in name else ""
                 side = "large" if ratio > self.t.update_high else "small"
-                found.append(Finding("update_ratio", module, step, ratio,
-                                     f"update/weight ratio ||ΔW||/||W|| of {name!r} is {ratio:.3g} for "
-                                     f"{self._streak[name]} sampled steps in a row (healthy: about "
-                                     f"1e-3, allowed [{self.t.update_low:g}, {self.t.update_high:g}]): "
-                                     f"updates are too {side}; adjust the learning rate"))
+                found.append(
+                    Finding(
+                        "update_ratio",
+                        module,
+                        step,
+                        ratio,
+                        f"update/weight ratio ||ΔW||/||W|| of {name!r} is {ratio:.3g} for "
+                        f"{self._streak[name]} sampled steps in a row (healthy: about "
+                        f"1e-3, allowed [{self.t.update_low:g}, {self.t.update_high:g}]): "
+                        f"updates are too {side}; adjust the learning rate",
+                    )
+                )
         return found

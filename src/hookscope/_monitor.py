@@ -6,6 +6,7 @@ in one transfer, writes one record to every sink and runs the diagnosis (``_diag
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -81,8 +82,15 @@ class Monitor:
         if on_nonfinite not in ("log", "raise"):
             raise ValueError(f"on_nonfinite must be 'log' or 'raise', got {on_nonfinite!r}")
         check_not_compiled(model, "Monitor")
-        self.every, self.on_nonfinite, self.histograms, self.bins = every, on_nonfinite, histograms, bins
-        self.thresholds = Thresholds(**{**asdict(thresholds or Thresholds()), **threshold_overrides})
+        self.every, self.on_nonfinite, self.histograms, self.bins = (
+            every,
+            on_nonfinite,
+            histograms,
+            bins,
+        )
+        self.thresholds = Thresholds(
+            **{**asdict(thresholds or Thresholds()), **threshold_overrides}
+        )
         chosen = select(model, where if where is not None else _is_leaf)
         self.modules: dict[str, nn.Module] = chosen
         self.findings: list[Finding] = []
@@ -91,14 +99,14 @@ class Monitor:
         self._sinks: list[Sink] = [self._memory, *sinks]
         if log_dir is not None:
             self._sinks.append(JsonlSink(Path(log_dir) / "hookscope.jsonl"))
-            try:
+            with contextlib.suppress(ImportError):
                 self._sinks.append(TensorBoardSink(log_dir))
-            except ImportError:
-                pass
         self._diagnosis = Diagnosis(self.thresholds)
         self._model_ref = model
         self._params = _unique_params(model)
-        self._bn = {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+        self._bn = {
+            n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        }
         self._bn_prev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._optimizers: list[torch.optim.Optimizer] = []
         self._reset_buffers()
@@ -111,13 +119,22 @@ class Monitor:
         except BaseException:
             self._hooks.remove()
             raise
-        self.log("header", format="hookscope-log", version=1, hookscope=_version(),
-                 model=type(model).__name__,
-                 modules={n: type(m).__name__ for n, m in chosen.items()},
-                 params={n: list(p.shape) for n, p in self._params.items()},
-                 settings={"every": every, "on_nonfinite": on_nonfinite,
-                           "histograms": histograms, "thresholds": asdict(self.thresholds)},
-                 time=time.time())
+        self.log(
+            "header",
+            format="hookscope-log",
+            version=1,
+            hookscope=_version(),
+            model=type(model).__name__,
+            modules={n: type(m).__name__ for n, m in chosen.items()},
+            params={n: list(p.shape) for n, p in self._params.items()},
+            settings={
+                "every": every,
+                "on_nonfinite": on_nonfinite,
+                "histograms": histograms,
+                "thresholds": asdict(self.thresholds),
+            },
+            time=time.time(),
+        )
 
     # -- wiring ----------------------------------------------------------------------------
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -144,7 +161,9 @@ class Monitor:
         self._no_grad_names: set[str] = set()
 
     # -- hooks -----------------------------------------------------------------------------
-    def _on_forward(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _on_forward(
+        self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
         outs = [t for t in tensors(output) if t.is_floating_point()]
         if in_backward_recompute():
             # Activation checkpointing re-runs forward during backward: never count it again.
@@ -171,11 +190,18 @@ class Monitor:
             self._no_grad_names.add(name)
         if not (self.sampled and module.training):
             return
-        vector = torch.stack([
-            activation(t, bounds=bounded(module), dead=relu_like(module),
-                       dead_at=self.thresholds.dead_unit, total=total_t)
-            for t, total_t in zip(outs, sums, strict=True)
-        ])
+        vector = torch.stack(
+            [
+                activation(
+                    t,
+                    bounds=bounded(module),
+                    dead=relu_like(module),
+                    dead_at=self.thresholds.dead_unit,
+                    total=total_t,
+                )
+                for t, total_t in zip(outs, sums, strict=True)
+            ]
+        )
         merged = vector[0]
         for row in vector[1:]:
             merged = merge_activation(merged, row)
@@ -250,16 +276,23 @@ class Monitor:
         for finding in new:
             self.log("finding", **asdict(finding))
         if self._optimizers and self._updates == 0 and self._flags:
-            self.log("event", kind="skipped_step",
-                     message=f"step {step}: optimizer.step() did not run (e.g. GradScaler skipped "
-                     "it after finding Inf/NaN gradients)")
+            self.log(
+                "event",
+                kind="skipped_step",
+                message=f"step {step}: optimizer.step() did not run (e.g. GradScaler skipped "
+                "it after finding Inf/NaN gradients)",
+            )
         self._reset_buffers()
         self.step_count += 1
         if self.on_nonfinite == "raise":
             for finding in new:
                 if finding.kind == "nonfinite":
-                    raise NonFiniteError(finding.message, module=finding.module, step=step,
-                                         phase="backward" if "backward" in finding.message else "forward")
+                    raise NonFiniteError(
+                        finding.message,
+                        module=finding.module,
+                        step=step,
+                        phase="backward" if "backward" in finding.message else "forward",
+                    )
         return new
 
     def _collect_sampled(self, keys: list, values: list) -> None:
@@ -288,11 +321,20 @@ class Monitor:
         scalars.update(plain)
         for i, opt in enumerate(self._optimizers):
             for j, group in enumerate(opt.param_groups):
-                tag = "lr" if len(self._optimizers) == 1 and len(opt.param_groups) == 1 else f"lr/{i}.{j}"
+                tag = (
+                    "lr"
+                    if len(self._optimizers) == 1 and len(opt.param_groups) == 1
+                    else f"lr/{i}.{j}"
+                )
                 scalars[tag] = float(group["lr"])
-        record: dict[str, Any] = {"type": "step", "step": step, "time": time.time(),
-                                  "sampled": sampled, "training": self._model_ref.training,
-                                  "scalars": scalars}
+        record: dict[str, Any] = {
+            "type": "step",
+            "step": step,
+            "time": time.time(),
+            "sampled": sampled,
+            "training": self._model_ref.training,
+            "scalars": scalars,
+        }
         self._last_flags = [host[("flag", i)][0] for i in range(len(self._flags))]
         if not sampled:
             return record
@@ -301,14 +343,24 @@ class Monitor:
             if kind == "act":
                 act[key] = _act_stats(value)
             elif kind == "hist":
-                act.setdefault(key, {})["hist"] = {"lo": value[0], "hi": value[1], "counts": value[2:]}
+                act.setdefault(key, {})["hist"] = {
+                    "lo": value[0],
+                    "hi": value[1],
+                    "counts": value[2:],
+                }
             elif kind == "grad":
                 grad[key] = {"norm": value[0]}
             elif kind == "param":
                 name, stat = key.rsplit("/", 1)
                 param.setdefault(name, {})[stat] = value[0]
             elif kind == "bn":
-                bn[key] = dict(zip(("running_mean", "running_var", "mean_drift", "var_drift"), value, strict=True))
+                bn[key] = dict(
+                    zip(
+                        ("running_mean", "running_var", "mean_drift", "var_drift"),
+                        value,
+                        strict=True,
+                    )
+                )
         record.update(act=act, grad=grad, param=param, bn=bn, grad_order=list(self._grad_order))
         return record
 
@@ -323,7 +375,11 @@ class Monitor:
     # -- records and lifetime ----------------------------------------------------------------
     def log(self, type: str, **fields: Any) -> None:
         """Write one record of any ``type`` (e.g. ``"feature_maps"``, ``"summary"``) to the sinks."""
-        record = {"type": type, "step": self.step_count, **fields} if type != "header" else {"type": type, **fields}
+        record = (
+            {"type": type, "step": self.step_count, **fields}
+            if type != "header"
+            else {"type": type, **fields}
+        )
         for sink in self._sinks:
             sink.write(record)
 
@@ -347,8 +403,10 @@ class Monitor:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Monitor({len(self.modules)} modules, every={self.every}, step={self.step_count}, "
-                f"{len(self.findings)} findings)")
+        return (
+            f"Monitor({len(self.modules)} modules, every={self.every}, step={self.step_count}, "
+            f"{len(self.findings)} findings)"
+        )
 
 
 def _to_host(keys: list, values: list[torch.Tensor]) -> dict[Any, list[float]]:
@@ -373,10 +431,19 @@ def _act_stats(v: list[float]) -> dict[str, float]:
     n = max(f["numel"], 1.0)
     mean = f["sum"] / n
     var = max(f["sumsq"] / n - mean * mean, 0.0) if math.isfinite(mean) else math.nan
-    return {"mean": mean, "std": math.sqrt(var) if math.isfinite(var) else math.nan,
-            "min": f["min"], "max": f["max"], "absmax": max(abs(f["min"]), abs(f["max"])),
-            "zero_frac": f["zeros"] / n, "sat_frac": f["sat"] / n, "dead_frac": f["dead"],
-            "nan": int(f["nan"]), "inf": int(f["inf"]), "numel": int(f["numel"])}
+    return {
+        "mean": mean,
+        "std": math.sqrt(var) if math.isfinite(var) else math.nan,
+        "min": f["min"],
+        "max": f["max"],
+        "absmax": max(abs(f["min"]), abs(f["max"])),
+        "zero_frac": f["zeros"] / n,
+        "sat_frac": f["sat"] / n,
+        "dead_frac": f["dead"],
+        "nan": int(f["nan"]),
+        "inf": int(f["inf"]),
+        "numel": int(f["numel"]),
+    }
 
 
 def _is_leaf(name: str, module: nn.Module) -> bool:

@@ -103,10 +103,15 @@ class TensorBoardSink:
         centers = [lo + width * (i + 0.5) for i in range(len(counts))]
         total = sum(counts)
         self._writer.add_histogram_raw(
-            tag, min=lo, max=hi, num=total,
+            tag,
+            min=lo,
+            max=hi,
+            num=total,
             sum=sum(c * x for c, x in zip(counts, centers, strict=True)),
             sum_squares=sum(c * x * x for c, x in zip(counts, centers, strict=True)),
-            bucket_limits=limits, bucket_counts=counts, global_step=step,
+            bucket_limits=limits,
+            bucket_counts=counts,
+            global_step=step,
         )
 
     def close(self) -> None:

@@ -91,8 +91,11 @@ class CallClock:
             self._at = at + 1
         else:
             key = _storage_key(args)
-            found = [i for i in range(len(trail) - 1, -1, -1)
-                     if key is not None and trail[i][0] == name and trail[i][3] == key]
+            found = [
+                i
+                for i in range(len(trail) - 1, -1, -1)
+                if key is not None and trail[i][0] == name and trail[i][3] == key
+            ]
             if not found:
                 self._at = None
                 return None

@@ -17,8 +17,13 @@ _ADD = {"sum", "sumsq", "zeros", "sat", "nan", "inf", "numel"}
 _RELU_LIKE = (nn.ReLU, nn.ReLU6)
 # Saturated: output within this distance of the activation's bound (tanh(5) = 1 - 9e-5 is
 # DeepDiagnosis' "pre-activation outside ±5").
-_BOUNDED = {nn.Tanh: (-1.0, 1.0), nn.Sigmoid: (0.0, 1.0), nn.Hardtanh: (-1.0, 1.0),
-            nn.Softsign: (-1.0, 1.0), nn.Hardsigmoid: (0.0, 1.0)}
+_BOUNDED = {
+    nn.Tanh: (-1.0, 1.0),
+    nn.Sigmoid: (0.0, 1.0),
+    nn.Hardtanh: (-1.0, 1.0),
+    nn.Softsign: (-1.0, 1.0),
+    nn.Hardsigmoid: (0.0, 1.0),
+}
 SAT_MARGIN = 1e-3
 
 
@@ -61,10 +66,20 @@ def activation(
         else x.new_zeros(())
     )
     dead_frac = _dead_fraction(x, dead_at) if dead else x.new_zeros(())
-    return torch.stack([
-        x.sum() if total is None else total.float(), torch.linalg.vector_norm(x).square(), lo, hi, (x == 0).sum(), sat,
-        nan, numel - finite - nan, x.new_tensor(numel), dead_frac,
-    ]).float()
+    return torch.stack(
+        [
+            x.sum() if total is None else total.float(),
+            torch.linalg.vector_norm(x).square(),
+            lo,
+            hi,
+            (x == 0).sum(),
+            sat,
+            nan,
+            numel - finite - nan,
+            x.new_tensor(numel),
+            dead_frac,
+        ]
+    ).float()
 
 
 def _dead_fraction(x: torch.Tensor, dead_at: float) -> torch.Tensor:

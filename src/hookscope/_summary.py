@@ -87,7 +87,8 @@ class Summary:
 
         def line(r: list[str]) -> str:
             parts = [
-                c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+                c.rjust(w) if i in right else c.ljust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
             ]
             return "  ".join(parts).rstrip()
 
@@ -172,7 +173,9 @@ def summary(model: nn.Module, *inputs: Any, eval: bool = True, **kwargs: Any) ->
             model(*inputs, **kwargs)
     rows = [_row(name, module, seen, calls) for name, module in modules]
     params = list(model.parameters())  # unique: a tied parameter appears once
-    leaves = [r for r, (_, m) in zip(rows, modules, strict=True) if not any(True for _ in m.children())]
+    leaves = [
+        r for r, (_, m) in zip(rows, modules, strict=True) if not any(True for _ in m.children())
+    ]
     total = {
         "params": sum(p.numel() for p in params),
         "trainable": sum(p.numel() for p in params if p.requires_grad),
