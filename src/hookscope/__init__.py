@@ -19,6 +19,7 @@ from ._errors import SelectionError as SelectionError
 from ._extract import extract as extract
 from ._intervene import Intervention as Intervention
 from ._intervene import intervene as intervene
+from ._log import read_log as read_log
 from ._monitor import Monitor as Monitor
 from ._record import Record as Record
 from ._report import report as report
@@ -27,12 +28,10 @@ from ._sinks import JsonlSink as JsonlSink
 from ._sinks import MemorySink as MemorySink
 from ._sinks import Sink as Sink
 from ._sinks import TensorBoardSink as TensorBoardSink
-from ._sinks import read_log as read_log
 from ._sites import Site as Site
 from ._summary import summary as summary
 from ._tap import Tap as Tap
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "Capture",

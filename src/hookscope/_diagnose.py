@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from torch import nn
+from ._log import StepRecord
 
 __all__ = ["Diagnosis", "Finding", "Thresholds"]
 
@@ -26,6 +25,10 @@ class Finding:
         step: The step it was first seen at (steps count from 0).
         value: The measured value that crossed the threshold.
         message: What was seen, with the evidence, and what it means.
+        phase: For ``nonfinite``: ``"forward"`` or ``"backward"``; else ``None``.
+        op: For ``nonfinite``, when traced: the first op that produced it (``"aten.log"``).
+        source: For ``nonfinite``, when traced: the user's source line that called that op.
+        rank: Under ``torch.distributed``: the rank where it first appeared.
     """
 
     kind: str
@@ -33,6 +36,10 @@ class Finding:
     step: int
     value: float
     message: str
+    phase: str | None = None
+    op: str | None = None
+    source: str | None = None
+    rank: int | None = None
 
     def __str__(self) -> str:
         return f"[step {self.step}] {self.kind} at {self.module!r}: {self.message}"
@@ -87,73 +94,12 @@ class Diagnosis:
         self._reported.add(key)
         return True
 
-    # -- every step ----------------------------------------------------------------------
-    def nonfinite(self, step: int, flags: list, host: list[float]) -> list[Finding]:
-        """The first module whose output turned non-finite from finite inputs; else backward."""
-        bad = [not math.isfinite(v) for v in host]
-        forward = [i for i, (phase, *_rest) in enumerate(flags) if phase == "forward"]
-        for i in forward:
-            _phase, name, _, ins = flags[i]
-            if bad[i] and not any(bad[j] for j in ins):
-                return [
-                    Finding(
-                        "nonfinite",
-                        name,
-                        step,
-                        host[i],
-                        f"forward: the output of {name!r} holds NaN/Inf (sum={host[i]}) while "
-                        f"its inputs were finite, at step {step}; later modules inherit it",
-                    )
-                ]
-        first_bad = next((i for i in forward if bad[i]), None)
-        if first_bad is not None:
-            name = flags[first_bad][1]
-            return [
-                Finding(
-                    "nonfinite",
-                    name,
-                    step,
-                    host[first_bad],
-                    f"forward: the inputs of {name!r} were already NaN/Inf at step {step} "
-                    "(check the data, or a module that runs outside the watched ones)",
-                )
-            ]
-        backward = [i for i, (phase, *_rest) in enumerate(flags) if phase == "backward"]
-        for k, i in enumerate(backward):
-            if not bad[i]:
-                continue
-            name = flags[i][1]
-            if k == 0:
-                return [
-                    Finding(
-                        "nonfinite",
-                        name,
-                        step,
-                        host[i],
-                        f"backward: the gradient reaching {name!r} from the loss was already "
-                        f"NaN/Inf at step {step}, with a finite forward pass",
-                    )
-                ]
-            culprit = flags[backward[k - 1]][1]
-            return [
-                Finding(
-                    "nonfinite",
-                    culprit,
-                    step,
-                    host[i],
-                    f"backward: {culprit!r} turned a finite gradient into NaN/Inf (the "
-                    f"gradient of {name!r} became non-finite) at step {step}",
-                )
-            ]
-        return []
-
     # -- sampled steps ---------------------------------------------------------------------
-    def sampled(
-        self, step: int, record: dict[str, Any], modules: dict[str, nn.Module]
-    ) -> list[Finding]:
-        found = self._units(step, record["act"])
-        found += self._gradients(step, record["act"], record["grad"], record.get("grad_order", []))
-        found += self._updates(step, record["param"])
+    def sampled(self, step: int, record: StepRecord) -> list[Finding]:
+        """Findings from the statistics of one sampled step."""
+        found = self._units(step, record.act)
+        found += self._gradients(step, record.grad, record.grad_order)
+        found += self._updates(step, record.param)
         return found
 
     def _units(self, step: int, act: dict[str, dict[str, float]]) -> list[Finding]:
@@ -187,12 +133,8 @@ class Diagnosis:
                 )
         return found
 
-    def _gradients(self, step: int, act: dict, grad: dict, order: list[str]) -> list[Finding]:
-        rms = [
-            (name, grad[name]["norm"] / math.sqrt(max(act[name]["numel"], 1)))
-            for name in order
-            if name in grad and name in act
-        ]
+    def _gradients(self, step: int, grad: dict, order: list[str]) -> list[Finding]:
+        rms = [(name, grad[name]["rms"]) for name in order if name in grad]
         rms = [(n, r) for n, r in rms if math.isfinite(r)]
         if len(rms) < 2 or rms[0][1] <= 0:
             return []

@@ -7,6 +7,9 @@ bad replacement), so ``except LookupError`` keeps working.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class HookscopeError(Exception):
     """Base class of every error hookscope raises on purpose."""
@@ -27,14 +30,28 @@ class CompiledModelError(HookscopeError, RuntimeError):
 class NonFiniteError(HookscopeError, FloatingPointError):
     """A NaN or Inf appeared; raised by a Monitor with ``on_nonfinite="raise"``.
 
-    Attributes ``module``, ``step`` and ``phase`` (``"forward"`` or ``"backward"``) say where.
+    Attributes ``module``, ``step`` and ``phase`` (``"forward"`` or ``"backward"``) say where;
+    ``op``, ``source`` and ``rank`` are ``None`` where they are not known.
     """
 
-    def __init__(self, message: str, *, module: str, step: int, phase: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        module: str,
+        step: int,
+        phase: str | None,
+        op: str | None = None,
+        source: str | None = None,
+        rank: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.module = module
         self.step = step
         self.phase = phase
+        self.op = op
+        self.source = source
+        self.rank = rank
 
 
 class HookscopeWarning(UserWarning):
@@ -55,3 +72,9 @@ def missing_extra(module: str, extra: str) -> ImportError:
         f"this feature needs the optional package {module!r}; "
         f"install it with: pip install 'hookscope[{extra}]'"
     )
+
+
+def did_you_mean(name: str, options: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``options``, or ``""``."""
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import optimizer as _optimizer
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import CompiledModelError
@@ -61,15 +62,20 @@ class HookSet:
         if len(self._tensor_handles) >= _PRUNE_AT:
             self._tensor_handles = [h for h in self._tensor_handles if _alive(h)]
 
-    def post_accumulate_grad(self, param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> None:
-        self._keep(param.register_post_accumulate_grad_hook(fn))
-
     # -- optimizers ------------------------------------------------------------------------
     def optimizer_step_pre(self, opt: torch.optim.Optimizer, fn: Callable[..., Any]) -> None:
         self._keep(opt.register_step_pre_hook(fn))
 
     def optimizer_step_post(self, opt: torch.optim.Optimizer, fn: Callable[..., Any]) -> None:
         self._keep(opt.register_step_post_hook(fn))
+
+    def optimizer_step_pre_global(self, fn: Callable[..., Any]) -> None:
+        """A pre-hook on every optimizer's ``step()`` in the process (torch's global hooks)."""
+        self._keep(_optimizer.register_optimizer_step_pre_hook(fn))
+
+    def optimizer_step_post_global(self, fn: Callable[..., Any]) -> None:
+        """A post-hook on every optimizer's ``step()`` in the process."""
+        self._keep(_optimizer.register_optimizer_step_post_hook(fn))
 
     # -- lifetime --------------------------------------------------------------------------
     def _keep(self, handle: RemovableHandle) -> None:

@@ -5,16 +5,14 @@ A record is a plain dict (see docs/log-format.md); a sink never sees the model.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ._errors import missing_extra
+from ._log import LOG_NAME, to_line
 
-__all__ = ["JsonlSink", "MemorySink", "Sink", "TensorBoardSink", "read_log"]
-
-LOG_NAME = "hookscope.jsonl"
+__all__ = ["JsonlSink", "MemorySink", "Sink", "TensorBoardSink"]
 
 
 @runtime_checkable
@@ -53,7 +51,7 @@ class JsonlSink:
         self._file = self.path.open("w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(_plain(record), allow_nan=False) + "\n")
+        self._file.write(to_line(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -116,27 +114,3 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {key: _plain(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(item) for item in obj]
-    return obj
-
-
-def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a Monitor's log, as dicts; ``"nan"``/``"inf"`` strings become floats.
-
-    Args:
-        path: The run's ``log_dir`` or the ``.jsonl`` file itself.
-
-    Returns:
-        The records in the order written; a torn last line (a crash mid-write) is skipped.
-    """
-    from ._report._data import log_path, read_records
-
-    return read_records(log_path(path))

@@ -124,9 +124,56 @@ def alias_grad_inputs(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]
     new, indices = list(args), []
     for i, arg in enumerate(args):
         if isinstance(arg, torch.Tensor) and arg.requires_grad:
-            new[i] = arg.clone()
+            new[i] = same_layout_copy(arg)
             indices.append(i)
     return (tuple(new), indices) if indices else (args, [])
+
+
+def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t.clone()``, but laid out in memory exactly like ``t``: same sizes, strides and storage offset.
+
+    The module then runs the very kernel it runs without hooks: on a non-contiguous view
+    (``a, g = x.chunk(2, -1)``) a kernel may take another code path than on a contiguous
+    copy and round differently (``nn.GELU`` does). The copy is a fresh autograd node, not a
+    view, so a hook on it survives in-place ops. Memory: for a view, the copy spans the same
+    stretch of storage as the view does, so at most the size of the tensor it views.
+    """
+    if (t.storage_offset() == 0 and t.is_contiguous()) or t.numel() == 0 or not _plain(t):
+        return t.clone()
+    return _SameLayoutCopy.apply(t)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor whose storage holds its values as they read (no subclass, lazy bit)."""
+    return (
+        type(t) in (torch.Tensor, nn.Parameter)
+        and t.layout == torch.strided
+        and not (t.is_quantized or t.is_conj() or t.is_neg())
+    )
+
+
+class _SameLayoutCopy(torch.autograd.Function):
+    """Copy the stretch of storage ``t`` uses, and view it with ``t``'s sizes and strides.
+
+    The output is made with ``set_``, not as a view, so autograd sees a plain tensor that
+    later in-place ops may change. Backward passes the gradient on as it is, like
+    ``clone``'s.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        offset = t.storage_offset()
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        storage = t.new_empty(offset + span).untyped_storage()
+        out = t.new_empty(0).set_(storage, offset, t.shape, t.stride())
+        # Copy the whole stretch (gaps included): it also works where elements overlap
+        # (stride 0, from expand), which ``out.copy_(t)`` refuses.
+        out.as_strided((span,), (1,), offset).copy_(t.as_strided((span,), (1,), offset))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 def alias_grad_outputs(
@@ -153,7 +200,7 @@ def alias_grad_outputs(
     hooked: list[torch.Tensor | None] = []
 
     def copy(t: torch.Tensor) -> torch.Tensor:
-        t = t.clone() if t.requires_grad else t
+        t = same_layout_copy(t) if t.requires_grad else t
         hooked.append(t if t.requires_grad else None)
         return t
 

@@ -1,18 +1,22 @@
-"""Statistics computed on the tensor's device, as small float vectors: no host sync here.
+"""Statistics computed on the tensor's device, as small tensors: no host sync here.
 
-A Monitor stacks these vectors and moves them to the host once per sampled step.
+On sampled steps a Monitor reads at most ``sample`` elements of a tensor, spread over all of
+it (:class:`Sampler`); these functions turn such a sample into sums, minima and maxima that
+a :class:`~hookscope._monitor._buffer.StepBuffer` combines across calls and moves to the host.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-__all__ = ["ACT_FIELDS", "activation", "bounded", "histogram", "merge_activation", "relu_like"]
+__all__ = ["MOMENTS", "Plan", "Sampler", "dead_fraction", "histogram", "moments", "plan_for"]
 
-# Order of the activation vector. Sums and counts add up over tensors and calls.
-ACT_FIELDS = ("sum", "sumsq", "min", "max", "zeros", "sat", "nan", "inf", "numel", "dead")
-_ADD = {"sum", "sumsq", "zeros", "sat", "nan", "inf", "numel"}
+# Sums of a sample, in this order; they add up over tensors and calls.
+MOMENTS = ("sum", "sumsq", "zeros", "sat", "nan", "inf", "n")
 
 _RELU_LIKE = (nn.ReLU, nn.ReLU6)
 # Saturated: output within this distance of the activation's bound (tanh(5) = 1 - 9e-5 is
@@ -25,78 +29,110 @@ _BOUNDED = {
     nn.Hardsigmoid: (0.0, 1.0),
 }
 SAT_MARGIN = 1e-3
+# A dead-unit estimate looks at every unit on at least this many positions (batch x space).
+MIN_POSITIONS = 64
 
 
-def relu_like(module: nn.Module) -> bool:
-    return isinstance(module, _RELU_LIKE)
+@dataclass(frozen=True)
+class Plan:
+    """What to compute on a module's output, resolved once when the Monitor attaches."""
+
+    bounds: tuple[float, float] | None  # saturation bounds of a bounded activation
+    dead: bool  # a ReLU-like module: estimate the fraction of dead units
 
 
-def bounded(module: nn.Module) -> tuple[float, float] | None:
-    for kind, bounds in _BOUNDED.items():
-        if isinstance(module, kind):
-            return bounds
-    return None
+def plan_for(module: nn.Module) -> Plan:
+    bounds = next((b for kind, b in _BOUNDED.items() if isinstance(module, kind)), None)
+    return Plan(bounds=bounds, dead=isinstance(module, _RELU_LIKE))
+
+
+class Sampler:
+    """At most ``k`` elements of a tensor, spread over the whole of it; ``k=None``: all.
+
+    Elements are taken at a fixed stride through the tensor in row-major order, the stride
+    chosen coprime with the size of the last two dimensions, so that the sample walks over
+    every row, column and channel instead of resonating with one of them. The index is built
+    once per shape and device; ``torch.take`` gathers through any strides without a copy of
+    the whole tensor.
+    """
+
+    def __init__(self, k: int | None) -> None:
+        if k is not None and k < 1:
+            raise ValueError(f"sample must be a positive number of elements or None, got {k}")
+        self.k = k
+        self._index: dict[tuple, torch.Tensor] = {}
+        self._units: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel()
+        if self.k is None or n <= self.k:
+            return t.reshape(-1)
+        key = (n, tuple(t.shape[-2:]), t.device)
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = _strided_index(n, self.k, t.shape, t.device)
+        return torch.take(t, index)
+
+    def units(self, t: torch.Tensor) -> torch.Tensor:
+        """A ``(positions, units)`` sample: every unit, at up to ``max(64, k / units)``
+        positions spread over the batch (and space, or sequence)."""
+        unit_dim = t.dim() - 1 if t.dim() == 3 else 1
+        c = t.shape[unit_dim]
+        positions = t.numel() // max(c, 1)
+        want = positions if self.k is None else max(MIN_POSITIONS, self.k // max(c, 1))
+        if want >= positions:
+            return t.movedim(unit_dim, -1).reshape(-1, c)
+        key = (tuple(t.shape), unit_dim, t.device)
+        index = self._units.get(key)
+        if index is None:
+            inner = math.prod(t.shape[unit_dim + 1 :])
+            q = torch.arange(want, device=t.device) * positions // want
+            start = (q // inner) * (c * inner) + q % inner
+            index = start[:, None] + torch.arange(c, device=t.device)[None, :] * inner
+            self._units[key] = index
+        return torch.take(t, index)
+
+
+def _strided_index(n: int, k: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    period = math.prod(shape[-2:]) if len(shape) >= 2 else 1
+    stride = max(n // k, 1)
+    while math.gcd(stride, period) != 1:
+        stride += 1
+    count = min(k, (n - 1) // stride + 1)
+    return torch.arange(count, device=device) * stride
 
 
 @torch.no_grad()
-def activation(
-    t: torch.Tensor,
-    *,
-    bounds: tuple[float, float] | None,
-    dead: bool,
-    dead_at: float,
-    total: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``ACT_FIELDS`` of one tensor, float32, on ``t``'s device.
-
-    ``total`` is ``t.sum()`` when the caller has it already (the non-finite flag).
-    ``dead`` (ReLU-like modules only) is the fraction of units that are <= 0 on at least
-    ``dead_at`` of their activations; units lie along dim 1 for 2-D and >=4-D outputs and
-    along the last dim for 3-D (batch, sequence, features) outputs.
-    """
-    t = t.detach()
-    x = t if t.dtype in (torch.float32, torch.float64) else t.float()
-    lo, hi = torch.aminmax(x)
-    finite = torch.isfinite(x).sum()
+def moments(x: torch.Tensor, bounds: tuple[float, float] | None) -> torch.Tensor:
+    """``MOMENTS`` of a 1-D sample, float32 (float64 for float64 input), on its device."""
+    x = x.detach()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    finite = torch.isfinite(x)
     nan = torch.isnan(x).sum()
-    numel = x.numel()
     sat = (
         ((x <= bounds[0] + SAT_MARGIN) | (x >= bounds[1] - SAT_MARGIN)).sum()
         if bounds is not None
-        else x.new_zeros(())
+        else nan.new_zeros(())
     )
-    dead_frac = _dead_fraction(x, dead_at) if dead else x.new_zeros(())
     return torch.stack(
         [
-            x.sum() if total is None else total.float(),
-            torch.linalg.vector_norm(x).square(),
-            lo,
-            hi,
-            (x == 0).sum(),
-            sat,
-            nan,
-            numel - finite - nan,
-            x.new_tensor(numel),
-            dead_frac,
+            x.sum(),
+            x.square().sum(),
+            (x == 0).sum().to(x.dtype),
+            sat.to(x.dtype),
+            nan.to(x.dtype),
+            (x.numel() - finite.sum() - nan).to(x.dtype),
+            x.new_tensor(float(x.numel())),
         ]
     ).float()
 
 
-def _dead_fraction(x: torch.Tensor, dead_at: float) -> torch.Tensor:
-    if x.dim() < 2:
-        return x.new_zeros(())
-    unit_dim = x.dim() - 1 if x.dim() == 3 else 1
-    off = (x <= 0).movedim(unit_dim, 0).flatten(1).float().mean(1)
+@torch.no_grad()
+def dead_fraction(units: torch.Tensor, dead_at: float) -> torch.Tensor:
+    """Fraction of units (columns) that are <= 0 on at least ``dead_at`` of their rows."""
+    off = (units.detach() <= 0).float().mean(0)
     return (off >= dead_at).float().mean()
-
-
-def merge_activation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Combine two activation vectors (two tensors of one output, or two calls)."""
-    out = a + b
-    out[2] = torch.minimum(a[2], b[2])
-    out[3] = torch.maximum(a[3], b[3])
-    out[9] = torch.maximum(a[9], b[9])
-    return out
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 from torch import nn
+from torch.optim import optimizer as _optimizer
 
 from ._hooks import live_handles
 
@@ -26,7 +27,8 @@ _MODULE_HOOK_DICTS = (
 
 
 def hooks_on(model: nn.Module, *, only_hookscope: bool = False) -> list[str]:
-    """Describe every hook found on ``model``'s modules, parameters and buffers.
+    """Describe every hook found on ``model``'s modules, parameters and buffers, and torch's
+    global optimizer step hooks (which a Monitor uses to find the optimizer).
 
     Args:
         model: The model to inspect.
@@ -49,6 +51,11 @@ def hooks_on(model: nn.Module, *, only_hookscope: bool = False) -> list[str]:
             for hook_id in hooks:
                 if ours is None or (id(hooks), hook_id) in ours:
                     found.append(f"{name}: {attr}")
+    for attr in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        hooks = getattr(_optimizer, attr, None) or {}
+        for hook_id in hooks:
+            if ours is None or (id(hooks), hook_id) in ours:
+                found.append(f"torch.optim.optimizer: {attr}")
     return found
 
 

@@ -2,61 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import HookscopeError
+from .._log import LOG_NAME, log_path, read_log
 
 __all__ = ["LOG_NAME", "Run", "load_run", "log_path"]
-
-LOG_NAME = "hookscope.jsonl"
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def log_path(log_dir: str | Path) -> Path:
-    """The JSON-lines file of a run: ``DIR/hookscope.jsonl``, or the file itself."""
-    path = Path(log_dir)
-    if path.is_dir():
-        path = path / LOG_NAME
-    if not path.is_file():
-        raise HookscopeError(
-            f"no hookscope log at {str(path)!r}. Expected a directory holding {LOG_NAME}, "
-            "as written by hs.Monitor(model, log_dir=DIR), or the .jsonl file itself."
-        )
-    return path
-
-
-def _floats(obj: Any) -> Any:
-    if isinstance(obj, str):
-        return _NONFINITE.get(obj, obj)
-    if isinstance(obj, dict):
-        return {
-            key: (value if key in ("message", "kind", "module", "type", "name") else _floats(value))
-            for key, value in obj.items()
-        }
-    if isinstance(obj, list):
-        return [_floats(item) for item in obj]
-    return obj
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Every record of the log; a torn last line (a crash mid-write) is skipped."""
-    records = []
-    with path.open(encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            records.append(_floats(json.loads(line)))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise HookscopeError(f"{path}:{i + 1}: not a JSON line: {line[:80]!r}") from None
-    return records
 
 
 @dataclass
@@ -134,7 +87,7 @@ def load_run(log_dir: str | Path) -> Run:
     """Read the log of a run (a directory or the ``.jsonl`` file) into a :class:`Run`."""
     path = log_path(log_dir)
     run = Run(path)
-    for rec in read_records(path):
+    for rec in read_log(path):
         kind = rec.get("type")
         if kind == "header":
             run.header = rec

@@ -1,0 +1,176 @@
+"""The hookscope log: its typed records, and the one writer and one reader of its JSON lines.
+
+A Monitor writes a :class:`Header` first, then a :class:`StepRecord` per ``step()``, and
+findings and :class:`Event`\\ s as they happen. ``docs/log-format.md`` documents the same fields;
+a test keeps the two in step. Nothing here imports torch or knows about models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ._errors import HookscopeError
+
+__all__ = [
+    "ACT_STATS",
+    "BN_STATS",
+    "GRAD_STATS",
+    "LOG_NAME",
+    "PARAM_STATS",
+    "Event",
+    "Header",
+    "StepRecord",
+    "decode",
+    "encode",
+    "log_path",
+    "read_log",
+]
+
+LOG_NAME = "hookscope.jsonl"
+FORMAT = "hookscope-log"
+VERSION = 2
+
+# The statistics of each group of a sampled step record, in the order they are documented.
+ACT_STATS = (
+    "mean",
+    "std",
+    "min",
+    "max",
+    "absmax",
+    "zero_frac",
+    "sat_frac",
+    "dead_frac",
+    "nan",
+    "inf",
+    "numel",
+    "sampled",
+)
+GRAD_STATS = ("norm", "rms", "absmax", "numel", "sampled")
+PARAM_STATS = ("norm", "grad_norm", "update_ratio")
+BN_STATS = ("running_mean", "running_var", "mean_drift", "var_drift")
+
+
+@dataclass
+class Header:
+    """First line of a log: what was watched, and how."""
+
+    hookscope: str
+    model: str
+    modules: dict[str, str]
+    params: dict[str, list[int]]
+    settings: dict[str, Any]
+    time: float
+    format: str = FORMAT
+    version: int = VERSION
+    type: str = "header"
+
+
+@dataclass
+class StepRecord:
+    """One ``Monitor.step()``; the four groups are filled on sampled steps only."""
+
+    step: int
+    time: float
+    sampled: bool
+    training: bool
+    scalars: dict[str, float] = field(default_factory=dict)
+    act: dict[str, dict[str, Any]] = field(default_factory=dict)
+    grad: dict[str, dict[str, float]] = field(default_factory=dict)
+    param: dict[str, dict[str, float]] = field(default_factory=dict)
+    bn: dict[str, dict[str, float]] = field(default_factory=dict)
+    grad_order: list[str] = field(default_factory=list)
+    type: str = "step"
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        if not self.sampled:
+            for group in ("act", "grad", "param", "bn", "grad_order"):
+                del out[group]
+        return out
+
+
+@dataclass
+class Event:
+    """Something that happened at a step: ``skipped_step``, ``evaluation``, ..."""
+
+    step: int
+    kind: str
+    message: str
+    type: str = "event"
+
+
+def field_names(record_type: type) -> list[str]:
+    """The documented fields of a record type (``type`` included)."""
+    return [f.name for f in fields(record_type)]
+
+
+# -- JSON: non-finite floats are the strings "nan", "inf", "-inf" -----------------------------
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_TEXT_KEYS = frozenset({"message", "kind", "module", "type", "name", "op", "source", "phase"})
+
+
+def encode(obj: Any) -> Any:
+    """``obj`` with non-finite floats replaced by strings, ready for strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {key: encode(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode(item) for item in obj]
+    return obj
+
+
+def decode(obj: Any) -> Any:
+    """The inverse of :func:`encode` (text fields such as ``message`` are left alone)."""
+    if isinstance(obj, str):
+        return _NONFINITE.get(obj, obj)
+    if isinstance(obj, dict):
+        return {k: (v if k in _TEXT_KEYS else decode(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode(item) for item in obj]
+    return obj
+
+
+def to_line(record: dict[str, Any]) -> str:
+    return json.dumps(encode(record), allow_nan=False)
+
+
+def log_path(log_dir: str | Path) -> Path:
+    """The JSON-lines file of a run: ``DIR/hookscope.jsonl``, or the file itself."""
+    path = Path(log_dir)
+    if path.is_dir():
+        path = path / LOG_NAME
+    if not path.is_file():
+        raise HookscopeError(
+            f"no hookscope log at {str(path)!r}. Expected a directory holding {LOG_NAME}, "
+            "as written by hs.Monitor(model, log_dir=DIR), or the .jsonl file itself."
+        )
+    return path
+
+
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a Monitor's log, as dicts; ``"nan"``/``"inf"`` strings become floats.
+
+    Args:
+        path: The run's ``log_dir`` or the ``.jsonl`` file itself.
+
+    Returns:
+        The records in the order written; a torn last line (a crash mid-write) is skipped.
+    """
+    file = log_path(path)
+    records = []
+    lines = file.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(decode(json.loads(line)))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise HookscopeError(f"{file}:{i + 1}: not a JSON line: {line[:80]!r}") from None
+    return records

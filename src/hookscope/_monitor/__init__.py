@@ -1,0 +1,367 @@
+"""Monitor: layer-by-layer training health at the cost of a bare training step.
+
+The Monitor only orchestrates. Probes (``_probes.py``) and the non-finite trail
+(``_nonfinite.py``) put small device tensors into one :class:`StepBuffer` while the step runs;
+``step()`` moves the buffer to the host in one transfer, has each probe fill its part of a
+typed :class:`StepRecord` (``_log.py``), runs the diagnosis and writes to the sinks. The
+optimizers are found through torch's global step hooks (``_optim.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._diagnose import Diagnosis, Finding, Thresholds
+from .._errors import NonFiniteError, did_you_mean
+from .._hooks import HookSet, check_not_compiled, in_backward_recompute
+from .._log import LOG_NAME, Event, Header, StepRecord
+from .._select import Where, select
+from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
+from .._stats import Sampler
+from .._tree import tensors
+from .._version import __version__
+from ._buffer import StepBuffer
+from ._nonfinite import NonFiniteTrail
+from ._optim import OptimizerWatch
+from ._probes import Activations, BatchNorms, OutputGrads, Params
+
+__all__ = ["Monitor"]
+
+DEFAULT_SAMPLE = 4096
+
+
+class Monitor:
+    """Watch a training run layer by layer; log statistics and report what goes wrong.
+
+    Per watched module and sampled step: activation statistics of its output (mean, std,
+    min, max, fraction of zeros, fraction saturated for bounded activations, fraction of dead
+    units for ReLUs, NaN and Inf counts, optionally a histogram) and the norm of the gradient
+    of its output; per parameter: norm, gradient norm (read just before the optimizer step,
+    after accumulation and unscaling) and update-to-weight ratio ``||ΔW|| / ||W||`` around
+    ``optimizer.step()``; BatchNorm running statistics and their drift; learning rates.
+    Non-finite values are checked on every step, in every element, at the cost of one
+    reduction per module output and gradient.
+
+    The optimizer is found, not passed: every optimizer that steps a parameter of ``model``
+    is adopted when it first steps (created before or after the Monitor, several of them,
+    wrapped ones such as Accelerate's), through torch's global optimizer step hooks.
+
+    Args:
+        model: The model. Hooks are removed by ``close()`` or at the end of a ``with`` block.
+        where: Modules to watch; by default every leaf module (``hs.Tap`` included).
+        every: Sample statistics every ``every`` steps (step 0 is sampled); ``None``: only
+            the non-finite check, on every step.
+        sample: On sampled steps, compute each tensor's statistics from at most this many of
+            its elements, spread over all of it; ``None`` reads every element (and copies the
+            weights whole around the optimizer step, for exact update ratios). The
+            non-finite check always reads every element.
+        log_dir: Directory for ``hookscope.jsonl`` (and TensorBoard events when tensorboard
+            is installed); ``None`` keeps records in memory only (``mon.records``).
+        optimizer: An optimizer to adopt now (optional: optimizers are found by themselves).
+        on_nonfinite: ``"log"`` (a finding) or ``"raise"``: ``step()`` raises
+            :class:`hs.NonFiniteError` naming the module where the NaN/Inf first appeared.
+        histograms: Also keep a ``bins``-bin histogram of each activation.
+        sinks: More sinks (objects with ``write(record)`` and ``close()``).
+        thresholds: Diagnosis thresholds (see :class:`hs.Thresholds` for the defaults and
+            where they come from); keyword arguments named after its fields override one.
+
+    Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
+    before it. Statistics are collected from modules in training mode; evaluation passes
+    (``model.eval()``) are only checked for NaN/Inf, and each record says whether the model
+    was training.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with hs.Monitor(model, every=1) as mon:
+        ...     loss = model(torch.randn(16, 4)).pow(2).mean()
+        ...     loss.backward(); opt.step(); opt.zero_grad()
+        ...     _ = mon.step(loss=loss)
+        >>> sorted(mon.records[1]["param"]["0.weight"])
+        ['grad_norm', 'norm', 'update_ratio']
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        where: Where | None = None,
+        *,
+        every: int | None = 10,
+        sample: int | None = DEFAULT_SAMPLE,
+        log_dir: str | Path | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        on_nonfinite: str = "log",
+        histograms: bool = False,
+        bins: int = 32,
+        sinks: Sequence[Sink] = (),
+        thresholds: Thresholds | None = None,
+        **threshold_overrides: float,
+    ) -> None:
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise ValueError(
+                f"every must be a positive number of steps, or None for the non-finite check "
+                f"only; got {every!r}"
+            )
+        if on_nonfinite not in ("log", "raise"):
+            raise ValueError(f"on_nonfinite must be 'log' or 'raise', got {on_nonfinite!r}")
+        self.thresholds = _thresholds(thresholds, threshold_overrides)
+        sampler = Sampler(sample)
+        check_not_compiled(model, "Monitor")
+        self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
+        self.modules: dict[str, nn.Module] = select(model, where if where is not None else _is_leaf)
+        self.findings: list[Finding] = []
+        self.step_count = 0
+        self._model = model
+        self._diagnosis = Diagnosis(self.thresholds)
+        self._buf = StepBuffer()
+        self._trail = NonFiniteTrail()
+        self._acts = Activations(
+            self.modules,
+            sampler,
+            dead_at=self.thresholds.dead_unit,
+            bins=bins if histograms else None,
+        )
+        self._grads = OutputGrads(sampler)
+        self._params = Params(model, sampler)
+        self._bns = BatchNorms(model)
+        self._no_grad_names: set[str] = set()
+        self._updates = 0
+        self._memory = MemorySink()
+        self._sinks: list[Sink] = [self._memory, *sinks]
+        self._hooks = HookSet("Monitor")
+        try:
+            for name, module in self.modules.items():
+                self._hooks.forward(module, functools.partial(self._on_forward, name))
+            self._optim = OptimizerWatch(
+                self._hooks,
+                self._params.owned,
+                before=self._before_update,
+                grads=self._read_grads,
+                after=self._after_update,
+            )
+            if optimizer is not None:
+                self._optim.adopt(optimizer)
+            if log_dir is not None:
+                self._sinks.append(JsonlSink(Path(log_dir) / LOG_NAME))
+                with contextlib.suppress(ImportError):
+                    self._sinks.append(TensorBoardSink(log_dir))
+        except BaseException:
+            self.close()
+            raise
+        header = Header(
+            hookscope=__version__,
+            model=type(model).__name__,
+            modules={n: type(m).__name__ for n, m in self.modules.items()},
+            params={n: list(p.shape) for n, p in self._params.params.items()},
+            settings={
+                "every": every,
+                "sample": sample,
+                "on_nonfinite": on_nonfinite,
+                "histograms": histograms,
+                "bins": bins,
+                "thresholds": asdict(self.thresholds),
+            },
+            time=time.time(),
+        )
+        self._write(asdict(header))
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the current step collects statistics."""
+        return self.every is not None and self.step_count % self.every == 0
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Adopt ``optimizer`` now (optimizers that step the model are found by themselves)."""
+        self._optim.adopt(optimizer)
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _on_forward(
+        self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        outs = [t for t in tensors(output) if t.is_floating_point()]
+        if in_backward_recompute():
+            # Activation checkpointing re-runs forward during backward: never count it again.
+            # A reentrant checkpoint ran the first pass without autograd; the gradients flow
+            # through this re-run, so hook them here.
+            if name in self._no_grad_names:
+                self._hook_grads(name, outs)
+            return
+        if not outs:
+            return
+        self._trail.forward(self._buf, name, tensors(args), outs)
+        if torch.is_grad_enabled():
+            self._hook_grads(name, outs)
+        else:
+            self._no_grad_names.add(name)
+        if self.sampled and module.training:
+            self._acts.forward(self._buf, name, outs)
+
+    def _hook_grads(self, name: str, outs: list[torch.Tensor]) -> None:
+        for t in outs:
+            if t.requires_grad:
+                self._hooks.tensor(t, functools.partial(self._on_grad, name))
+
+    def _on_grad(self, name: str, grad: torch.Tensor) -> None:
+        self._trail.backward(self._buf, name, grad)
+        if self.sampled:
+            self._grads.backward(self._buf, name, grad)
+
+    def _read_grads(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+        if self.sampled:
+            self._params.read_grads(self._buf, names)
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+        self._updates += 1
+        if self.sampled:
+            self._params.before_update(names)
+
+    def _after_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+        if self.sampled:
+            self._params.after_update(self._buf, names)
+
+    # -- the step boundary: one host transfer ------------------------------------------------
+    def step(self, **scalars: Any) -> list[Finding]:
+        """Close a training step: log the scalars given (``loss=loss``) and the statistics.
+
+        Everything the hooks gathered moves to the host in one transfer. Returns the findings
+        first seen at this step.
+        """
+        step, sampled, buf = self.step_count, self.sampled, self._buf
+        plain: dict[str, float] = {}
+        for key, value in scalars.items():
+            if isinstance(value, torch.Tensor):
+                buf.set(("scalar", key), value.detach().float().reshape(-1)[:1])
+            else:
+                plain[key] = float(value)
+        if sampled:
+            self._params.collect(buf)
+            self._bns.collect(buf)
+        host = buf.to_host()
+        record = StepRecord(step, time.time(), sampled, self._model.training)
+        record.scalars = {k: host[("scalar", k)][0] for k in scalars if k not in plain}
+        record.scalars.update(plain)
+        record.scalars.update(self._learning_rates())
+        if sampled:
+            for probe in (self._acts, self._grads, self._params, self._bns):
+                probe.read(host, record)
+        found = []
+        nonfinite = self._trail.localise(host, step)
+        if nonfinite is not None:
+            found.append(nonfinite)
+        if sampled:
+            found += self._diagnosis.sampled(step, record)
+        new = [f for f in found if self._diagnosis.first_time(f)]
+        self.findings.extend(new)
+        self._write(record.to_dict())
+        for finding in new:
+            self._write({"type": "finding", **asdict(finding)})
+        if self._optim.adopted and self._updates == 0 and self._trail.flags:
+            self._write_event(
+                "skipped_step",
+                f"step {step}: optimizer.step() did not run (e.g. GradScaler skipped it after "
+                "finding Inf/NaN gradients)",
+            )
+        self._end_step()
+        if self.on_nonfinite == "raise" and nonfinite is not None and nonfinite in new:
+            raise NonFiniteError(
+                nonfinite.message, module=nonfinite.module, step=step, phase=nonfinite.phase
+            )
+        return new
+
+    def _learning_rates(self) -> dict[str, float]:
+        optimizers = self._optim.optimizers
+        single = len(optimizers) == 1 and len(optimizers[0].param_groups) == 1
+        return {
+            "lr" if single else f"lr/{i}.{j}": float(group["lr"])
+            for i, opt in enumerate(optimizers)
+            for j, group in enumerate(opt.param_groups)
+        }
+
+    def _end_step(self) -> None:
+        self._buf = StepBuffer()
+        self._trail.reset()
+        self._grads.reset()
+        self._params.reset()
+        self._no_grad_names.clear()
+        self._updates = 0
+        self.step_count += 1
+
+    # -- records and lifetime ----------------------------------------------------------------
+    def log(self, type: str, **fields: Any) -> None:
+        """Write one record of any ``type`` (e.g. ``"feature_maps"``, ``"summary"``) to the sinks."""
+        self._write({"type": type, "step": self.step_count, **fields})
+
+    def _write_event(self, kind: str, message: str) -> None:
+        self._write(asdict(Event(self.step_count, kind, message)))
+
+    def _write(self, record: dict[str, Any]) -> None:
+        for sink in self._sinks:
+            sink.write(record)
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """Every record written so far (also without ``log_dir``)."""
+        return self._memory.records
+
+    def close(self) -> None:
+        """Remove every hook (global optimizer hooks included) and close the sinks. Safe to
+        call more than once."""
+        self._hooks.remove()
+        sinks, self._sinks = self._sinks, [self._memory]
+        for sink in sinks:
+            if sink is not self._memory:
+                sink.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Monitor({len(self.modules)} modules, every={self.every}, step={self.step_count}, "
+            f"{len(self.findings)} findings)"
+        )
+
+
+def _thresholds(base: Thresholds | None, overrides: dict[str, float]) -> Thresholds:
+    """``base`` with single fields overridden; a misspelt keyword gets a did-you-mean."""
+    names = [f.name for f in fields(Thresholds)]
+    for key in overrides:
+        if key not in names:
+            options = [*_MONITOR_KEYWORDS, *names]
+            raise TypeError(
+                f"Monitor() got an unexpected keyword argument {key!r}"
+                f"{did_you_mean(key, options)}. Monitor options: {', '.join(_MONITOR_KEYWORDS)}; "
+                f"threshold fields (see hs.Thresholds): {', '.join(names)}."
+            )
+    return Thresholds(**{**asdict(base or Thresholds()), **overrides})
+
+
+_MONITOR_KEYWORDS = (
+    "where",
+    "every",
+    "sample",
+    "log_dir",
+    "optimizer",
+    "on_nonfinite",
+    "histograms",
+    "bins",
+    "sinks",
+    "thresholds",
+)
+
+
+def _is_leaf(name: str, module: nn.Module) -> bool:
+    return bool(name) and next(iter(module.children()), None) is None

@@ -1,0 +1,69 @@
+"""One step's device values, each with the rule that combines it, moved to the host at once.
+
+Probes ``add`` small device tensors under a key with a reduce rule (``"sum"``, ``"min"`` or
+``"max"``); a key added twice is combined by its rule (two calls of a module, two tensors of
+one output). Squares stay squares until the host, so that values from several calls or
+ranks still add up. :meth:`StepBuffer.to_host` concatenates everything and makes one
+``tolist()``: one device-to-host transfer per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Literal
+
+import torch
+
+__all__ = ["Host", "StepBuffer"]
+
+Reduce = Literal["sum", "min", "max"]
+
+_COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
+
+Host = dict[Hashable, list[float]]
+
+
+class StepBuffer:
+    """Named device tensors of one step, each with its reduce rule."""
+
+    def __init__(self) -> None:
+        self._values: dict[Hashable, torch.Tensor] = {}
+        self._reduce: dict[Hashable, Reduce] = {}
+
+    def add(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
+        """Put ``value`` under ``key``, or combine it with what is there by ``reduce``."""
+        old = self._values.get(key)
+        if old is None:
+            self._values[key] = value.detach()
+            self._reduce[key] = reduce
+        else:
+            self._values[key] = _COMBINE[reduce](old, value.detach())
+
+    def set(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
+        """Put ``value`` under ``key``, replacing what is there."""
+        self._values[key] = value.detach()
+        self._reduce[key] = reduce
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def reduce_of(self, key: Hashable) -> Reduce:
+        return self._reduce[key]
+
+    def to_host(self) -> Host:
+        """Every value as a list of floats, from one device-to-host transfer."""
+        if not self._values:
+            return {}
+        keys = list(self._values)
+        parts = [self._values[k].reshape(-1) for k in keys]
+        device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
+        flat = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
+        out: Host = {}
+        at = 0
+        for key, part in zip(keys, parts, strict=True):
+            out[key] = flat[at : at + part.numel()]
+            at += part.numel()
+        return out

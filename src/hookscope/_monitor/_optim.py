@@ -1,0 +1,110 @@
+"""Finding the optimizers that step a model: torch's global optimizer step hooks.
+
+The Monitor never needs ``optimizer=``: every ``Optimizer.step()`` in the process passes
+through the global pre- and post-hooks, and an optimizer is adopted when it steps at least one
+parameter of the watched model. That covers optimizers created after the Monitor, several
+optimizers on one model, and wrappers such as Accelerate's ``AcceleratedOptimizer`` (whose
+``step()`` calls the wrapped optimizer's). Optimizers of other models are ignored.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._hooks import HookSet
+
+__all__ = ["OptimizerWatch", "unwrap"]
+
+
+def unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a wrapper (Accelerate, Lightning), or the optimizer itself."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer) or not hasattr(
+        optimizer, "_optimizer_step_pre_hooks"
+    ):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or seen > 8:
+            raise TypeError(
+                f"optimizer= expects a torch.optim.Optimizer (or a wrapper with .optimizer), "
+                f"got {type(optimizer).__name__}. Or pass nothing: the Monitor finds the "
+                "optimizers that step the model's parameters by itself."
+            )
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+class OptimizerWatch:
+    """Calls ``before(opt, names)`` and ``after(opt, names)`` around every step of an adopted
+    optimizer, ``names`` being the watched model's parameters it steps.
+
+    A closure optimizer (LBFGS; Lightning runs forward and backward inside
+    ``optimizer.step(closure)``) computes this step's gradients inside ``step()``:
+    ``grads(opt, names)`` is then called after the closure's first evaluation, otherwise just
+    before the update.
+    """
+
+    def __init__(
+        self,
+        hooks: HookSet,
+        owned: Callable[[torch.optim.Optimizer], list[str]],
+        *,
+        before: Callable[[torch.optim.Optimizer, list[str]], None],
+        grads: Callable[[torch.optim.Optimizer, list[str]], None],
+        after: Callable[[torch.optim.Optimizer, list[str]], None],
+    ) -> None:
+        self._owned, self._before, self._grads, self._after = owned, before, grads, after
+        self._cache: dict[int, tuple[weakref.ref, int, list[str]]] = {}
+        self.adopted: list[weakref.ref[torch.optim.Optimizer]] = []
+        hooks.optimizer_step_pre_global(self._pre)
+        hooks.optimizer_step_post_global(self._post)
+
+    def adopt(self, optimizer: Any) -> None:
+        self._names(unwrap(optimizer))
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [opt for ref in self.adopted if (opt := ref()) is not None]
+
+    def _names(self, opt: torch.optim.Optimizer) -> list[str]:
+        cached = self._cache.get(id(opt))
+        if cached is not None and cached[0]() is opt and cached[1] == len(opt.param_groups):
+            return cached[2]
+        names = self._owned(opt)
+        self._cache[id(opt)] = (weakref.ref(opt), len(opt.param_groups), names)
+        if names and not any(ref() is opt for ref in self.adopted):
+            self.adopted.append(weakref.ref(opt))
+        return names
+
+    def _pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        names = self._names(opt)
+        if not names:
+            return None
+        # torch passes step()'s own arguments, ``self`` first: (self, closure=None).
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._grads(opt, names)
+            self._before(opt, names)
+            return None
+        self._before(opt, names)
+        first = True
+
+        def closure_then_read() -> Any:
+            nonlocal first
+            loss = closure()
+            if first:
+                first = False
+                self._grads(opt, names)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_read}
+        return (args[0], closure_then_read, *args[2:]), kwargs
+
+    def _post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        names = self._names(opt)
+        if names:
+            self._after(opt, names)

@@ -1,0 +1,250 @@
+"""What a Monitor measures, one probe per kind of measurement.
+
+Every probe puts device tensors into the step's :class:`StepBuffer` under its own keys while
+the step runs (from hooks, or in :meth:`collect` at the step's end) and, after the one host
+transfer, fills its part of the :class:`StepRecord` in :meth:`read`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .._log import StepRecord
+from .._stats import MOMENTS, Plan, Sampler, dead_fraction, histogram, moments, plan_for
+from ._buffer import Host, StepBuffer
+
+__all__ = ["Activations", "BatchNorms", "OutputGrads", "Params"]
+
+
+class Activations:
+    """Moments, extremes, zero/saturated/dead fractions and histograms of module outputs."""
+
+    def __init__(
+        self,
+        modules: dict[str, nn.Module],
+        sampler: Sampler,
+        *,
+        dead_at: float,
+        bins: int | None,
+    ) -> None:
+        self.plans: dict[str, Plan] = {name: plan_for(m) for name, m in modules.items()}
+        self.sampler, self.dead_at, self.bins = sampler, dead_at, bins
+
+    def forward(self, buf: StepBuffer, name: str, outs: list[torch.Tensor]) -> None:
+        plan = self.plans[name]
+        for t in outs:
+            x = self.sampler(t.detach())
+            buf.add(("act", name), moments(x, plan.bounds))
+            lo, hi = torch.aminmax(x.float()) if x.numel() else (x.new_zeros(()),) * 2
+            buf.add(("act_min", name), lo, "min")
+            buf.add(("act_max", name), hi, "max")
+            buf.add(("act_numel", name), torch.tensor(float(t.numel())))
+            if plan.dead and t.dim() >= 2:
+                units = self.sampler.units(t.detach())
+                buf.add(("act_dead", name), dead_fraction(units, self.dead_at), "max")
+        if self.bins and outs:
+            buf.set(("act_hist", name), histogram(self.sampler(outs[0].detach()), self.bins))
+
+    def read(self, host: Host, record: StepRecord) -> None:
+        for name in self.plans:
+            sums = host.get(("act", name))
+            if sums is None:
+                continue
+            m = dict(zip(MOMENTS, sums, strict=True))
+            n = max(m["n"], 1.0)
+            mean = m["sum"] / n
+            var = max(m["sumsq"] / n - mean * mean, 0.0) if math.isfinite(mean) else math.nan
+            lo, hi = host[("act_min", name)][0], host[("act_max", name)][0]
+            stats = {
+                "mean": mean,
+                "std": math.sqrt(var) if math.isfinite(var) else math.nan,
+                "min": lo,
+                "max": hi,
+                "absmax": max(abs(lo), abs(hi)),
+                "zero_frac": m["zeros"] / n,
+                "sat_frac": m["sat"] / n,
+                "dead_frac": host.get(("act_dead", name), [0.0])[0],
+                "nan": int(m["nan"]),
+                "inf": int(m["inf"]),
+                "numel": int(host[("act_numel", name)][0]),
+                "sampled": int(m["n"]),
+            }
+            hist = host.get(("act_hist", name))
+            if hist is not None:
+                stats["hist"] = {"lo": hist[0], "hi": hist[1], "counts": hist[2:]}
+            record.act[name] = stats
+
+
+class OutputGrads:
+    """Norm, RMS and largest magnitude of the gradient of each module's output."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+        self.order: list[str] = []  # modules in the order their gradients arrived
+
+    def backward(self, buf: StepBuffer, name: str, grad: torch.Tensor) -> None:
+        x = self.sampler(grad.detach())
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        key = ("grad", name)
+        if key not in buf:
+            self.order.append(name)
+        sums = torch.stack([x.square().sum(), x.new_tensor(float(x.numel()))]).float()
+        buf.add(key, torch.cat([sums, sums.new_tensor([float(grad.numel())])]))
+        buf.add(("grad_absmax", name), x.abs().max() if x.numel() else x.new_zeros(()), "max")
+
+    def read(self, host: Host, record: StepRecord) -> None:
+        for name in self.order:
+            sumsq, n, numel = host[("grad", name)]
+            ms = sumsq / max(n, 1.0)
+            record.grad[name] = {
+                "norm": math.sqrt(ms * numel),
+                "rms": math.sqrt(ms),
+                "absmax": host[("grad_absmax", name)][0],
+                "numel": int(numel),
+                "sampled": int(n),
+            }
+        record.grad_order = list(self.order)
+
+    def reset(self) -> None:
+        self.order.clear()
+
+
+class Params:
+    """Gradient norm, weight norm and update ratio ``||W_after - W_before|| / ||W_before||``.
+
+    Around an optimizer step, gradient norms are read just before the update (so they are the
+    accumulated, unscaled gradients the optimizer uses), weight norms just after it, and the
+    update ratio compares the same ``sample`` elements before and after: never a full copy of
+    the weights (``sample=None`` copies them whole, for an exact ratio). Parameters no
+    optimizer stepped this step get their gradient and weight norms at the step's end.
+    """
+
+    def __init__(self, model: nn.Module, sampler: Sampler) -> None:
+        # Tied weights appear once: named_parameters() deduplicates.
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._name = {id(p): n for n, p in self.params.items()}
+        self.sampler = sampler
+        self._before: dict[str, torch.Tensor] = {}
+        self._done: set[str] = set()
+
+    def owned(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Names of this model's parameters that ``optimizer`` steps."""
+        return [
+            self._name[id(p)]
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) in self._name
+        ]
+
+    def read_grads(self, buf: StepBuffer, names: Iterable[str]) -> None:
+        names = [n for n in names if self.params[n].grad is not None]
+        grads = [self.params[n].grad for n in names]
+        for name, norm in zip(names, _norms(grads), strict=True):
+            buf.set(("param", name, "grad_norm"), norm.square())
+
+    def before_update(self, names: list[str]) -> None:
+        for name in names:
+            p = self.params[name]
+            if p.dim() >= 2:  # update ratios concern weight matrices and kernels
+                self._before[name] = self.sampler(p.detach()).clone()
+
+    def after_update(self, buf: StepBuffer, names: list[str]) -> None:
+        for name in names:
+            before = self._before.pop(name, None)
+            if before is not None and self.params[name].grad is not None:
+                now = self.sampler(self.params[name].detach())
+                delta = torch.linalg.vector_norm((now - before).float())
+                buf.set(("param", name, "delta"), delta.square())
+                buf.set(
+                    ("param", name, "before"), torch.linalg.vector_norm(before.float()).square()
+                )
+        self._weight_norms(buf, names)
+        self._done.update(names)
+
+    def collect(self, buf: StepBuffer) -> None:
+        rest = [n for n in self.params if n not in self._done]
+        self.read_grads(buf, rest)
+        self._weight_norms(buf, rest)
+
+    def _weight_norms(self, buf: StepBuffer, names: list[str]) -> None:
+        weights = [self.params[n].detach() for n in names]
+        for name, norm in zip(names, _norms(weights), strict=True):
+            buf.set(("param", name, "norm"), norm.square())
+
+    def read(self, host: Host, record: StepRecord) -> None:
+        for name in self.params:
+            stats = {
+                stat: math.sqrt(host[key][0])
+                for stat in ("norm", "grad_norm")
+                if (key := ("param", name, stat)) in host
+            }
+            delta = host.get(("param", name, "delta"))
+            if delta is not None:
+                before = host[("param", name, "before")][0]
+                stats["update_ratio"] = math.sqrt(delta[0]) / (math.sqrt(before) + 1e-12)
+            if stats:
+                record.param[name] = stats
+
+    def reset(self) -> None:
+        self._before.clear()
+        self._done.clear()
+
+
+def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """2-norms of many tensors with one fused kernel per device and dtype."""
+    if not tensors:
+        return []
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    for indices in groups.values():
+        norms = torch._foreach_norm([tensors[i].detach() for i in indices])
+        for i, norm in zip(indices, norms, strict=True):
+            out[i] = norm.float()
+    return out  # type: ignore[return-value]
+
+
+class BatchNorms:
+    """Running mean and variance of every BatchNorm (means over channels) and their drift
+    since the last sampled step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = {
+            n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        }
+        self._prev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def collect(self, buf: StepBuffer) -> None:
+        for name, bn in self.modules.items():
+            if bn.running_mean is None or bn.running_var is None:
+                continue
+            mean, var = bn.running_mean.detach().float(), bn.running_var.detach().float()
+            prev = self._prev.get(name)
+            if prev is None:
+                drift = mean.new_full((2,), math.nan)
+            else:
+                drift = torch.stack([_relative(mean, prev[0]), _relative(var, prev[1])])
+            self._prev[name] = (mean.clone(), var.clone())
+            buf.set(("bn", name), torch.cat([mean.mean().reshape(1), var.mean().reshape(1), drift]))
+
+    def read(self, host: Host, record: StepRecord) -> None:
+        for name in self.modules:
+            values = host.get(("bn", name))
+            if values is not None:
+                record.bn[name] = dict(
+                    zip(
+                        ("running_mean", "running_var", "mean_drift", "var_drift"),
+                        values,
+                        strict=True,
+                    )
+                )
+
+
+def _relative(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(now - before) / (torch.linalg.vector_norm(before) + 1e-12)
