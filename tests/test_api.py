@@ -1,7 +1,9 @@
 """The public API: the contract's names are importable, and `import hookscope` stays light."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import hookscope as hs
 
@@ -41,3 +43,61 @@ def test_import_hookscope_imports_no_optional_dependency() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules of the package that ``path`` imports (relative imports), and top-level
+    third-party names it imports."""
+    package = path.parent
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package
+            for _ in range(node.level - 1):
+                base = base.parent
+            target = base.joinpath(*(node.module or "").split("."))
+            names = [target] if node.module else [base / alias.name for alias in node.names]
+            for t in names:
+                for candidate in (t.with_suffix(".py"), t / "__init__.py"):
+                    if candidate.is_file():
+                        found.add(str(candidate.relative_to(SRC)))
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.add((node.module or "").split(".")[0])
+    return found
+
+
+def _closure(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name.endswith(".py"):
+            todo.extend(_imports(SRC / name))
+    return seen
+
+
+SRC = Path(hs.__file__).parent
+RUNS_A_MODEL = {
+    "_capture.py",
+    "_extract.py",
+    "_intervene.py",
+    "_summary.py",
+    "_sites.py",
+    "_hooks.py",
+    "_monitor/__init__.py",
+    "_record.py",
+}
+
+
+def test_everything_after_the_hook_is_plain_data() -> None:
+    """The log, sinks, diagnosis and report never import code that runs a model, and the
+    log and the diagnosis not even torch: they read records, nothing else."""
+    for start in ("_log.py", "_diagnose.py", "_sinks.py", "_report/__init__.py"):
+        reached = _closure(start)
+        assert not reached & RUNS_A_MODEL, (start, reached & RUNS_A_MODEL)
+    for start in ("_log.py", "_diagnose.py"):
+        assert "torch" not in _closure(start), start

@@ -304,6 +304,12 @@ def test_custom_sink_and_bad_arguments() -> None:
     assert sink.n == 2 and isinstance(sink, hs.Sink)
     with pytest.raises(ValueError, match="every"):
         hs.Monitor(model, every=0)
+    with pytest.raises(TypeError, match="did you mean 'log_dir'"):
+        hs.Monitor(model, log_dri="x")
+    with pytest.raises(TypeError, match="did you mean 'explode_ratio'"):
+        hs.Monitor(model, explode_ration=10.0)
+    with pytest.raises(ValueError, match="sample"):
+        hs.Monitor(model, sample=0)
     with pytest.raises(hs.SelectionError):
         hs.Monitor(model, where="nope")
     assert_no_hooks(model)
@@ -343,3 +349,26 @@ def test_monitor_attached_before_compile_sees_the_compiled_steps_and_refuses_aft
         assert_no_hooks(model)
     finally:
         torch._dynamo.reset()
+
+
+def test_threshold_fields_can_be_overridden_by_keyword() -> None:
+    with hs.Monitor(MLP(), explode_ratio=10.0) as mon:
+        assert mon.thresholds.explode_ratio == 10.0
+        assert mon.records[0]["settings"]["thresholds"]["explode_ratio"] == 10.0
+
+
+def test_every_none_checks_nonfinite_only() -> None:
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hs.Monitor(model, every=None) as mon:
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            mon.step(loss=1.0)
+        model.risky.eps = -1.0
+        model(torch.randn(4, 8)).sum().backward()
+        mon.step()
+    steps = [r for r in mon.records if r["type"] == "step"]
+    assert not any(r["sampled"] for r in steps) and "act" not in steps[0]
+    assert steps[0]["scalars"] == {"loss": 1.0, "lr": 0.1}
+    assert [(f.kind, f.module, f.step) for f in mon.findings] == [("nonfinite", "risky", 3)]

@@ -15,7 +15,14 @@ from ._errors import HookscopeError, NeverCalledWarning, NoGradWarning
 from ._hooks import HookSet, check_not_compiled, in_backward_recompute
 from ._record import Keeper, Record
 from ._select import Where, select
-from ._sites import POINTS, CallClock, alias_grad_inputs, alias_grad_outputs, forward_failed
+from ._sites import (
+    POINTS,
+    CallClock,
+    alias_grad_inputs,
+    alias_grad_outputs,
+    forward_failed,
+    no_grad_in_model_message,
+)
 from ._tree import tensors
 
 __all__ = ["Capture", "capture"]
@@ -108,8 +115,12 @@ class Capture:
         self._records: dict[str, list[Record]] = {name: [] for name in self.names}
         self._open: dict[str, list[Record | None]] = defaultdict(list)  # pre-hook -> hook
         # Records of forward passes run without autograd that asked for gradients: a reentrant
-        # checkpoint re-runs them with autograd during backward, and the gradients come then.
+        # checkpoint or a reversible layer re-runs them with autograd during backward, and
+        # the gradients come then. _in_model: those whose autograd the model itself turned
+        # off; _rerun: names re-run with autograd during backward.
         self._no_grad: dict[tuple[str, int, int], Record] = {}
+        self._in_model: set[tuple[str, int, int]] = set()
+        self._rerun: set[str] = set()
         self._hooks = HookSet("capture")
         self._grads_seen = False
         try:
@@ -134,7 +145,10 @@ class Capture:
         if in_backward_recompute():
             # A checkpoint re-runs forward: never a new record. If the first run had no
             # autograd (reentrant checkpoint), this run carries the gradients: attach them.
-            original = self._clock.original(name, args) if torch.is_grad_enabled() else None
+            original = None
+            if torch.is_grad_enabled():
+                self._rerun.add(name)
+                original = self._clock.original(name, args)
             record = self._no_grad.pop((name, *original), None) if original else None
             self._open[name].append(record)
             return self._hook_grad_inputs(record, args, kwargs) if record else None
@@ -144,7 +158,10 @@ class Capture:
             record.input = self._keeper.value(args)
             record.kwargs = self._keeper.value(kwargs)
         if self._grads and not torch.is_grad_enabled():
-            self._no_grad[(name, record._pass, record.call)] = record
+            key = (name, record._pass, record.call)
+            self._no_grad[key] = record
+            if self._clock.root_grad:
+                self._in_model.add(key)
             return None
         return self._hook_grad_inputs(record, args, kwargs)
 
@@ -210,22 +227,16 @@ class Capture:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        waiting = sorted({name for name, _, _ in self._no_grad})
+        waiting = self._waiting()
         unreached = len(self._hooks._tensor_handles) > 0 and not self._grads_seen
         self.close()
         self._no_grad.clear()
+        self._in_model.clear()
         if exc_type is not None:
             return
-        if waiting:
-            warnings.warn(
-                f"capture asked for gradients of {_names(waiting)}, but the forward pass ran "
-                "under torch.no_grad() or torch.inference_mode(), so no gradient was recorded. "
-                "Run the forward pass with autograd enabled and call backward() inside the "
-                "`with` block, or capture only 'input'/'output'.",
-                NoGradWarning,
-                stacklevel=2,
-            )
-        elif unreached:
+        for message in waiting:
+            warnings.warn(message, NoGradWarning, stacklevel=2)
+        if not waiting and unreached:
             warnings.warn(
                 "capture asked for gradients, but no gradient reached its hooks before the "
                 "`with` block ended, so none was recorded. Call loss.backward() inside the "
@@ -236,6 +247,43 @@ class Capture:
         never = [name for name in self._named if not self._records[name]]
         if never:
             warnings.warn(_never_ran_message(never), NeverCalledWarning, stacklevel=2)
+
+    def _waiting(self) -> list[str]:
+        """Why gradients asked for never came, one message per cause."""
+        user, model, unmatched = set(), set(), set()
+        for key in self._no_grad:
+            name = key[0]
+            if key not in self._in_model:
+                user.add(name)
+            else:
+                (unmatched if name in self._rerun else model).add(name)
+        asked = "capture asked for gradients of"
+        messages = []
+        if user:
+            messages.append(
+                f"{asked} {_names(sorted(user))}, but the forward pass ran under "
+                "torch.no_grad() or torch.inference_mode(), so no gradient was recorded. Run "
+                "the forward pass with autograd enabled and call backward() inside the `with` "
+                "block, or capture only 'input'/'output'."
+            )
+        if model:
+            messages.append(
+                no_grad_in_model_message(
+                    asked,
+                    "no gradient was recorded",
+                    "capture only 'input'/'output' of these",
+                    _names(sorted(model)),
+                )
+            )
+        if unmatched:
+            messages.append(
+                f"{asked} {_names(sorted(unmatched))}: the model ran them with autograd off "
+                "and again during backward(), but they are called more than once per forward "
+                "pass and hookscope could not tell which call each re-run repeats, so it "
+                "recorded no gradient for them rather than a possibly wrong one. Capture the "
+                "gradients of modules called once per pass, or only 'input'/'output' of these."
+            )
+        return messages
 
     # -- reading ---------------------------------------------------------------------------
     def __getitem__(self, name: str) -> Record:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ._errors import HookscopeError
-from ._hooks import HookSet, check_not_compiled
+from ._hooks import HookSet, check_not_compiled, training_mode
 from ._record import Keeper
 from ._select import Where, select
 from ._sites import forward_failed
 
-__all__ = ["extract", "training_mode"]
+__all__ = ["extract"]
 
 
 class _StopForward(Exception):
@@ -86,15 +85,3 @@ def extract(
         missing = [name for name in chosen if name in pending]
         raise HookscopeError("extract: " + _never_ran_message(missing))
     return {name: found[name] for name in chosen}
-
-
-@contextlib.contextmanager
-def training_mode(model: nn.Module, mode: bool) -> Iterator[None]:
-    """Set ``model.train(mode)`` for the block, then restore every submodule's own flag."""
-    before = [(module, module.training) for module in model.modules()]
-    model.train(mode)
-    try:
-        yield
-    finally:
-        for module, flag in before:
-            module.training = flag

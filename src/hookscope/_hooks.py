@@ -9,9 +9,10 @@ the body raised, ``KeyboardInterrupt`` included.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +22,13 @@ from torch.utils.hooks import RemovableHandle
 
 from ._errors import CompiledModelError
 
-__all__ = ["HookSet", "check_not_compiled", "in_backward_recompute", "live_handles"]
+__all__ = [
+    "HookSet",
+    "check_not_compiled",
+    "in_backward_recompute",
+    "live_handles",
+    "training_mode",
+]
 
 # Every HookSet that still holds handles; assert_no_hooks(only_hookscope=True) reads it.
 _LIVE: weakref.WeakSet[HookSet] = weakref.WeakSet()
@@ -152,3 +159,15 @@ def _is_optimized_module(model: nn.Module) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
     return optimized is not None and isinstance(model, optimized)
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module, mode: bool) -> Iterator[None]:
+    """Set ``model.train(mode)`` for the block, then restore every submodule's own flag."""
+    before = [(module, module.training) for module in model.modules()]
+    model.train(mode)
+    try:
+        yield
+    finally:
+        for module, flag in before:
+            module.training = flag

@@ -13,7 +13,15 @@ from torch import nn
 from ._errors import InterventionError, NoGradWarning
 from ._hooks import HookSet, check_not_compiled, in_backward_recompute
 from ._select import Where, select
-from ._sites import POINTS, CallClock, Site, alias_grad_inputs, alias_grad_outputs, forward_failed
+from ._sites import (
+    POINTS,
+    CallClock,
+    Site,
+    alias_grad_inputs,
+    alias_grad_outputs,
+    forward_failed,
+    no_grad_in_model_message,
+)
 from ._tree import describe, same_structure
 
 __all__ = ["Intervention", "intervene"]
@@ -90,7 +98,10 @@ class Intervention:
                 plan.setdefault(name, []).append(fn)
         self.at = at
         self.names = tuple(plan)
-        self._no_grad: list[str] = []
+        # Calls that ran without autograd: (name, whether the model itself turned it off);
+        # and names re-run with autograd during backward (checkpoints, reversible layers).
+        self._no_grad: set[tuple[str, bool]] = set()
+        self._rerun: set[str] = set()
         self._hooks = HookSet("intervene")
         try:
             self._clock = CallClock(self._hooks, model)
@@ -152,8 +163,7 @@ class Intervention:
     ) -> Any:
         if forward_failed(output):
             return None
-        if not torch.is_grad_enabled():
-            self._no_grad.append(name)
+        if not self._grad_enabled(name):
             return None
         call = self._site(name, module, args).call
         new, aliases = alias_grad_outputs(output, args, kwargs)
@@ -166,8 +176,7 @@ class Intervention:
     def _hook_grad_input(
         self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict
     ) -> Any:
-        if not torch.is_grad_enabled():
-            self._no_grad.append(name)
+        if not self._grad_enabled(name):
             return None
         call = self._site(name, module, args).call
         args, indices = alias_grad_inputs(args)
@@ -175,6 +184,16 @@ class Intervention:
             site = Site(name, module, call, self.at, i)
             self._hooks.tensor(args[i], functools.partial(_edit_grad, fns, site))
         return (args, kwargs) if indices else None
+
+    def _grad_enabled(self, name: str) -> bool:
+        """Is there a gradient to edit? Notes the calls that have none, for the warning."""
+        if not torch.is_grad_enabled():
+            if not in_backward_recompute():
+                self._no_grad.add((name, bool(self._clock.root_grad)))
+            return False
+        if in_backward_recompute():
+            self._rerun.add(name)
+        return True
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
@@ -186,12 +205,26 @@ class Intervention:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close()
-        if exc_type is None and self._no_grad and self.at.startswith("grad"):
-            names = sorted(set(self._no_grad))
+        if exc_type is not None:
+            return
+        user = sorted({name for name, in_model in self._no_grad if not in_model})
+        model = sorted({n for n, in_model in self._no_grad if in_model} - self._rerun - set(user))
+        if user:
             warnings.warn(
-                f"intervene at {self.at!r} on {', '.join(map(repr, names[:5]))}: the forward pass "
+                f"intervene at {self.at!r} on {', '.join(map(repr, user[:5]))}: the forward pass "
                 "ran under torch.no_grad() or torch.inference_mode(), so there was no gradient "
                 "to edit. Run the forward pass with autograd enabled.",
+                NoGradWarning,
+                stacklevel=2,
+            )
+        if model:
+            warnings.warn(
+                no_grad_in_model_message(
+                    f"intervene at {self.at!r} asked to edit the gradients of",
+                    "there was no gradient to edit",
+                    "edit their outputs (at='output') instead",
+                    ", ".join(map(repr, model[:5])),
+                ),
                 NoGradWarning,
                 stacklevel=2,
             )

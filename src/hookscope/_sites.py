@@ -16,7 +16,15 @@ from torch import nn
 from ._hooks import HookSet, in_backward_recompute
 from ._tree import map_tensors, tensors
 
-__all__ = ["CallClock", "Site", "alias_grad_inputs", "alias_grad_outputs", "forward_failed"]
+__all__ = [
+    "CallClock",
+    "Site",
+    "alias_grad_inputs",
+    "alias_grad_outputs",
+    "forward_failed",
+    "no_grad_in_model_message",
+    "same_layout_copy",
+]
 
 POINTS = ("input", "output", "grad_input", "grad_output")
 
@@ -54,30 +62,46 @@ class CallClock:
     root is never called (the user calls submodules directly), calls count from the start.
 
     Activation checkpointing re-runs forward during backward, segment by segment and last
-    segment first. :meth:`original` finds which call of the first pass a re-run repeats: the
-    first module of a segment is recognised by its input storage (the checkpoint hands it
-    the very tensors of the first pass), and the modules after it follow the first pass's
-    order from there.
+    segment first; reversible layers (Reformer) re-run their parts in their
+    ``autograd.Function``'s backward, in reverse order and on inputs rebuilt from the
+    outputs. :meth:`original` finds which call of the first pass a re-run repeats:
+
+    - a module called once in the pass that made the autograd node now running backward is
+      its own match (the node's sequence number tells which calls came after it);
+    - else the first module of a checkpoint segment is recognised by its input storage (the
+      checkpoint hands it the very tensors of the first pass);
+    - and the modules after a match follow the first pass's order from there.
     """
 
     def __init__(self, hooks: HookSet, root: nn.Module) -> None:
         self.pass_ = 0
+        # Grad mode the root's forward was called under while it runs, else None: tells
+        # a torch.no_grad() of the user's from one inside the model.
+        self.root_grad: bool | None = None
         self._calls: dict[str, int] = defaultdict(int)
-        self._trail: deque[tuple[str, int, int, tuple | None]] = deque(maxlen=1 << 16)
+        # (name, pass, call, storage key, autograd sequence number when called)
+        self._trail: deque[tuple[str, int, int, tuple | None, int]] = deque(maxlen=1 << 16)
         self._task = -1
         self._at: int | None = None  # position in the trail of the last re-run call
         hooks.forward_pre(root, self._root_called, prepend=True)
+        hooks.forward(root, self._root_returned, always_call=True)
 
     def _root_called(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not in_backward_recompute():
             self.pass_ += 1
             self._calls.clear()
+            self.root_grad = torch.is_grad_enabled()
+
+    def _root_returned(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not in_backward_recompute():
+            self.root_grad = None
 
     def next(self, name: str, args: tuple[Any, ...] = ()) -> int:
         """Index of this call of ``name`` in the current pass (a first-pass call)."""
         call = self._calls[name]
         self._calls[name] = call + 1
-        self._trail.append((name, self.pass_, call, _storage_key(args)))
+        seq = torch._C._autograd._get_sequence_nr()  # a peek: numbers no node
+        self._trail.append((name, self.pass_, call, _storage_key(args), seq))
         return call
 
     def original(self, name: str, args: tuple[Any, ...] = ()) -> tuple[int, int] | None:
@@ -90,18 +114,40 @@ class CallClock:
         if at is not None and at + 1 < len(trail) and trail[at + 1][0] == name:
             self._at = at + 1
         else:
-            key = _storage_key(args)
-            found = [
-                i
-                for i in range(len(trail) - 1, -1, -1)
-                if key is not None and trail[i][0] == name and trail[i][3] == key
-            ]
-            if not found:
-                self._at = None
-                return None
-            self._at = found[0]
+            self._at = self._only_call_since_node(name)
+            if self._at is None:
+                key = _storage_key(args)
+                found = [
+                    i
+                    for i in range(len(trail) - 1, -1, -1)
+                    if key is not None and trail[i][0] == name and trail[i][3] == key
+                ]
+                if not found:
+                    return None
+                self._at = found[0]
         entry = trail[self._at]
         return entry[1], entry[2]
+
+    def _only_call_since_node(self, name: str) -> int | None:
+        """Trail position of ``name``'s one call in the pass that made the running node.
+
+        Calls after the node was made have a larger sequence number; the first of them
+        belongs to the pass whose forward made it. ``None`` when ``name`` was called
+        before the node was made or more than once in that pass: no telling which call.
+        """
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        made = node._sequence_nr()
+        trail = self._trail
+        first = len(trail)
+        while first > 0 and trail[first - 1][4] > made:
+            first -= 1
+        if first == len(trail):
+            return None
+        pass_ = trail[first][1]
+        calls = [i for i, e in enumerate(trail) if e[1] == pass_ and e[0] == name]
+        return calls[0] if len(calls) == 1 and trail[calls[0]][4] > made else None
 
 
 def _storage_key(args: tuple[Any, ...]) -> tuple | None:
@@ -207,6 +253,24 @@ def alias_grad_outputs(
     if not any(t.requires_grad for t in outs):
         return output, [None] * len(outs)
     return map_tensors(copy, output), hooked
+
+
+def no_grad_in_model_message(asked: str, lost: str, instead: str, names: str) -> str:
+    """NoGradWarning text for modules the model's own forward ran with autograd off.
+
+    ``asked`` starts the sentence ("capture asked for gradients of"), ``names`` are the
+    modules, ``lost`` what that cost ("no gradient was recorded"), ``instead`` the fallback.
+    """
+    return (
+        f"{asked} {names}, but the model's own forward ran them with autograd off (in "
+        "torch.no_grad() or an autograd.Function's forward inside the model's code; the model "
+        f"itself was called with autograd on), and they did not run again with autograd while "
+        f"hooks were attached, so {lost}. Models with reversible layers (Reformer) or "
+        "reentrant activation checkpointing do this: they re-run parts of the forward during "
+        "backward(), and hookscope does see the modules re-run there (for Reformer: each "
+        "layer's attention and feed_forward and their submodules, not the layer holding "
+        f"them). Choose those modules and call backward() inside the `with` block, or {instead}."
+    )
 
 
 def forward_failed(output: Any) -> bool:

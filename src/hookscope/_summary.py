@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._extract import training_mode
-from ._hooks import HookSet, check_not_compiled
+from ._format import format_bytes, format_shapes
+from ._hooks import HookSet, check_not_compiled, training_mode
 from ._tree import tensors
 
-__all__ = ["Summary", "SummaryRow", "format_bytes", "format_shapes", "summary"]
+__all__ = ["Summary", "SummaryRow", "summary"]
 
 
 @dataclass(frozen=True)
@@ -111,22 +111,6 @@ class Summary:
         for cells in self._cells():
             table.add_row(*cells)
         return table
-
-
-def format_shapes(shapes: list[list[int]] | None) -> str:
-    """``[[2, 8]]`` -> ``[2, 8]``; several tensors are joined; nothing is ``-``."""
-    if not shapes:
-        return "-"
-    return ", ".join("[" + ", ".join(str(s) for s in shape) + "]" for shape in shapes)
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # pragma: no cover
 
 
 def summary(model: nn.Module, *inputs: Any, eval: bool = True, **kwargs: Any) -> Summary:

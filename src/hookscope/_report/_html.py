@@ -7,7 +7,7 @@ import math
 from html import escape
 from typing import Any
 
-from .._summary import format_bytes, format_shapes
+from .._format import format_bytes, format_shapes
 
 __all__ = ["HINTS", "fmt", "img", "page", "section", "table"]
 

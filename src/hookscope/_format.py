@@ -1,0 +1,21 @@
+"""Text helpers shared by the summary table and the report: no torch here."""
+
+from __future__ import annotations
+
+__all__ = ["format_bytes", "format_shapes"]
+
+
+def format_shapes(shapes: list[list[int]] | None) -> str:
+    """``[[2, 8]]`` -> ``[2, 8]``; several tensors are joined; nothing is ``-``."""
+    if not shapes:
+        return "-"
+    return ", ".join("[" + ", ".join(str(s) for s in shape) + "]" for shape in shapes)
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # pragma: no cover

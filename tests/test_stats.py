@@ -1,0 +1,106 @@
+"""Sampled statistics: the sample spreads over the whole tensor, and estimates stay close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+from hookscope._stats import MOMENTS, Sampler, dead_fraction, moments
+
+
+def test_sample_none_reads_every_element() -> None:
+    t = torch.randn(3, 5, 7)
+    assert torch.equal(Sampler(None)(t), t.reshape(-1))
+    assert torch.equal(Sampler(1000)(t), t.reshape(-1))  # smaller than the sample
+
+
+@pytest.mark.parametrize("shape", [(16, 32, 64, 64), (8, 128, 256), (64, 2048), (4, 3, 1024)])
+def test_sample_is_bounded_and_walks_over_every_row_column_and_channel(shape) -> None:
+    t = torch.arange(torch.Size(shape).numel()).reshape(shape)
+    picked = Sampler(4096)(t)
+    assert picked.numel() <= 4096
+    index = torch.stack(torch.unravel_index(picked, shape), 1)
+    for dim, size in enumerate(shape):
+        if size <= 64:  # small dims: every value is visited
+            assert index[:, dim].unique().numel() == size, dim
+        else:
+            assert index[:, dim].unique().numel() >= min(size, picked.numel()) // 4, dim
+
+
+def test_sample_reads_through_strides_without_reordering() -> None:
+    base = torch.randn(32, 64, 128)
+    view = base.transpose(1, 2)[:, ::2]  # non-contiguous
+    sampler = Sampler(500)
+    positions = sampler(torch.arange(view.numel()).reshape(view.shape))
+    assert torch.equal(sampler(view), view.reshape(-1)[positions])
+
+
+def test_moments_equal_plain_torch() -> None:
+    x = torch.randn(1000).clamp(-0.5, 2).relu()
+    s = dict(zip(MOMENTS, moments(x, (0.0, 1.0)).tolist(), strict=True))
+    assert s["sum"] == pytest.approx(x.sum().item(), rel=1e-5)
+    assert s["sumsq"] == pytest.approx(x.square().sum().item(), rel=1e-5)
+    assert s["zeros"] == (x == 0).sum().item()
+    assert s["sat"] == ((x <= 1e-3) | (x >= 1 - 1e-3)).sum().item()
+    assert s["n"] == 1000 and s["nan"] == 0 and s["inf"] == 0
+
+
+def test_dead_unit_estimate_from_positions_matches_the_exact_fraction() -> None:
+    x = torch.randn(64, 256, 16, 16)
+    x[:, :64] = -x[:, :64].abs()  # a quarter of the channels always off
+    sampler = Sampler(4096)
+    units = sampler.units(x)
+    assert units.shape[1] == 256 and units.shape[0] >= 64
+    assert dead_fraction(units, 0.7).item() == pytest.approx(0.25, abs=0.01)
+
+
+def watched(model, x, **kw):
+    with hs.Monitor(model, every=1, **kw) as mon:
+        model(x).sum().backward()
+        mon.step()
+    return mon.records[1]
+
+
+def test_exact_statistics_with_sample_none_equal_plain_torch() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 30 * 30, 10))
+    x = torch.randn(4, 3, 32, 32)
+    record = watched(model, x, sample=None)
+    out = model[1](model[0](x)).detach()
+    act = record["act"]["1"]
+    assert act["mean"] == pytest.approx(out.mean().item(), rel=1e-5)
+    assert act["std"] == pytest.approx(out.std(unbiased=False).item(), rel=1e-4)
+    assert (act["min"], act["max"]) == (out.min().item(), out.max().item())
+    assert act["zero_frac"] == pytest.approx((out == 0).float().mean().item())
+    assert act["numel"] == act["sampled"] == out.numel()
+    grad = torch.autograd.grad(model(x).sum(), model[3].weight)[0]
+    assert record["param"]["3.weight"]["grad_norm"] == pytest.approx(grad.norm().item(), rel=1e-5)
+
+
+def test_sampled_mean_and_std_are_close_to_exact_on_large_activations() -> None:
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 8))
+    x = torch.randn(512, 256) * 3 + 1
+    exact = watched(model, x, sample=None)
+    sampled = watched(model, x)
+    for name in ("0", "1"):
+        e, s = exact["act"][name], sampled["act"][name]
+        assert s["sampled"] <= 4096 < s["numel"] == e["numel"]
+        assert s["mean"] == pytest.approx(e["mean"], abs=0.05 * e["std"])
+        assert s["std"] == pytest.approx(e["std"], rel=0.05)
+        g_e, g_s = exact["grad"][name], sampled["grad"][name]
+        assert g_s["norm"] == pytest.approx(g_e["norm"], rel=0.05)
+
+
+def test_a_single_nan_anywhere_in_a_large_tensor_is_still_found() -> None:
+    class Poison(nn.Module):
+        def forward(self, x):
+            x = x.clone()
+            x[37, 901] = float("nan")  # one element in 512 x 1024
+            return x
+
+    model = nn.Sequential(nn.Linear(16, 1024), Poison(), nn.Linear(1024, 2))
+    with hs.Monitor(model, every=None, sample=64) as mon:
+        model(torch.randn(512, 16))
+        mon.step()
+    assert [(f.kind, f.module, f.phase) for f in mon.findings] == [("nonfinite", "1", "forward")]
