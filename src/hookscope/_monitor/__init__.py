@@ -67,8 +67,12 @@ class Monitor:
         log_dir: Directory for ``hookscope.jsonl`` (and TensorBoard events when tensorboard
             is installed); ``None`` keeps records in memory only (``mon.records``).
         optimizer: An optimizer to adopt now (optional: optimizers are found by themselves).
-        on_nonfinite: ``"log"`` (a finding) or ``"raise"``: ``step()`` raises
-            :class:`hs.NonFiniteError` naming the module where the NaN/Inf first appeared.
+        on_nonfinite: What to do when a NaN/Inf appears. ``"log"``: a finding, training
+            goes on. ``"raise"``: :class:`hs.NonFiniteError`, naming the module where it
+            first appeared, from ``optimizer.step()`` *before* the update (weights and
+            optimizer state are those from before the failing step), or from ``step()``
+            when no optimizer stepped the model. ``"skip"``: that update is skipped (as
+            ``GradScaler`` does; a ``skipped_step`` event) and training goes on.
         histograms: Also keep a ``bins``-bin histogram of each activation.
         sinks: More sinks (objects with ``write(record)`` and ``close()``).
         thresholds: Diagnosis thresholds (see :class:`hs.Thresholds` for the defaults and
@@ -112,8 +116,8 @@ class Monitor:
                 f"every must be a positive number of steps, or None for the non-finite check "
                 f"only; got {every!r}"
             )
-        if on_nonfinite not in ("log", "raise"):
-            raise ValueError(f"on_nonfinite must be 'log' or 'raise', got {on_nonfinite!r}")
+        if on_nonfinite not in ("log", "raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'log', 'raise' or 'skip', got {on_nonfinite!r}")
         self.thresholds = _thresholds(thresholds, threshold_overrides)
         sampler = Sampler(sample)
         check_not_compiled(model, "Monitor")
@@ -135,7 +139,8 @@ class Monitor:
         self._params = Params(model, sampler)
         self._bns = BatchNorms(model)
         self._no_grad_names: set[str] = set()
-        self._updates = 0
+        self._updates = self._skipped = 0
+        self._nonfinite: Finding | None = None  # this step's, once found
         self._memory = MemorySink()
         self._sinks: list[Sink] = [self._memory, *sinks]
         self._hooks = HookSet("Monitor")
@@ -145,8 +150,9 @@ class Monitor:
             self._optim = OptimizerWatch(
                 self._hooks,
                 self._params.owned,
-                before=self._before_update,
                 grads=self._read_grads,
+                check=self._check_before_update,
+                before=self._before_update,
                 after=self._after_update,
             )
             if optimizer is not None:
@@ -220,6 +226,25 @@ class Monitor:
         if self.sampled:
             self._params.read_grads(self._buf, names)
 
+    def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
+        """The non-finite check, before the optimizer changes anything. True: skip it."""
+        if self._nonfinite is None:
+            host = self._buf.to_host()
+            self._nonfinite = self._trail.localise(host, self.step_count)
+            if self._nonfinite is not None:
+                self._report([self._nonfinite])
+                if self.on_nonfinite == "raise":
+                    raise self._error(self._nonfinite)
+        if self._nonfinite is None or self.on_nonfinite != "skip":
+            return False
+        self._write_event(
+            "skipped_step",
+            f"step {self.step_count}: skipped the update of {type(optimizer).__name__} "
+            f"(weights and optimizer state unchanged): {self._nonfinite.message}",
+        )
+        self._skipped += 1
+        return True
+
     def _before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
         self._updates += 1
         if self.sampled:
@@ -255,28 +280,44 @@ class Monitor:
             for probe in (self._acts, self._grads, self._params, self._bns):
                 probe.read(host, record)
         found = []
-        nonfinite = self._trail.localise(host, step)
-        if nonfinite is not None:
-            found.append(nonfinite)
+        if self._nonfinite is None:
+            self._nonfinite = self._trail.localise(host, step)
+            if self._nonfinite is not None:
+                found.append(self._nonfinite)
         if sampled:
             found += self._diagnosis.sampled(step, record)
-        new = [f for f in found if self._diagnosis.first_time(f)]
-        self.findings.extend(new)
         self._write(record.to_dict())
-        for finding in new:
-            self._write({"type": "finding", **asdict(finding)})
-        if self._optim.adopted and self._updates == 0 and self._trail.flags:
+        new = self._report(found)
+        if self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:
             self._write_event(
                 "skipped_step",
                 f"step {step}: optimizer.step() did not run (e.g. GradScaler skipped it after "
                 "finding Inf/NaN gradients)",
             )
+        nonfinite = self._nonfinite
         self._end_step()
         if self.on_nonfinite == "raise" and nonfinite is not None and nonfinite in new:
-            raise NonFiniteError(
-                nonfinite.message, module=nonfinite.module, step=step, phase=nonfinite.phase
-            )
+            raise self._error(nonfinite)
         return new
+
+    def _report(self, found: list[Finding]) -> list[Finding]:
+        """Keep and log the findings not seen before; return them."""
+        new = [f for f in found if self._diagnosis.first_time(f)]
+        self.findings.extend(new)
+        for finding in new:
+            self._write({"type": "finding", **asdict(finding)})
+        return new
+
+    def _error(self, finding: Finding) -> NonFiniteError:
+        return NonFiniteError(
+            finding.message,
+            module=finding.module,
+            step=finding.step,
+            phase=finding.phase,
+            op=finding.op,
+            source=finding.source,
+            rank=finding.rank,
+        )
 
     def _learning_rates(self) -> dict[str, float]:
         optimizers = self._optim.optimizers
@@ -293,7 +334,8 @@ class Monitor:
         self._grads.reset()
         self._params.reset()
         self._no_grad_names.clear()
-        self._updates = 0
+        self._updates = self._skipped = 0
+        self._nonfinite = None
         self.step_count += 1
 
     # -- records and lifetime ----------------------------------------------------------------

@@ -29,6 +29,7 @@ class StepBuffer:
     def __init__(self) -> None:
         self._values: dict[Hashable, torch.Tensor] = {}
         self._reduce: dict[Hashable, Reduce] = {}
+        self._host: Host = {}
 
     def add(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
         """Put ``value`` under ``key``, or combine it with what is there by ``reduce``."""
@@ -41,29 +42,42 @@ class StepBuffer:
 
     def set(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
         """Put ``value`` under ``key``, replacing what is there."""
+        self._host.pop(key, None)
         self._values[key] = value.detach()
         self._reduce[key] = reduce
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._values
+        return key in self._values or key in self._host
 
-    def __len__(self) -> int:
+    def pending(self) -> int:
+        """How many values wait for the next transfer."""
         return len(self._values)
 
     def reduce_of(self, key: Hashable) -> Reduce:
         return self._reduce[key]
 
     def to_host(self) -> Host:
-        """Every value as a list of floats, from one device-to-host transfer."""
-        if not self._values:
-            return {}
-        keys = list(self._values)
-        parts = [self._values[k].reshape(-1) for k in keys]
-        device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
-        flat = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
-        out: Host = {}
-        at = 0
-        for key, part in zip(keys, parts, strict=True):
-            out[key] = flat[at : at + part.numel()]
-            at += part.numel()
-        return out
+        """Every value as a list of floats, from one device-to-host transfer.
+
+        Values already moved by an earlier call are not moved again; a key added again
+        since is combined with them on the host by its rule (a second transfer only carries
+        what is new).
+        """
+        if self._values:
+            keys = list(self._values)
+            parts = [self._values[k].reshape(-1) for k in keys]
+            device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
+            flat = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
+            at = 0
+            for key, part in zip(keys, parts, strict=True):
+                new = flat[at : at + part.numel()]
+                at += part.numel()
+                old = self._host.get(key)
+                self._host[key] = new if old is None else _combine(self._reduce[key], old, new)
+            self._values.clear()
+        return self._host
+
+
+def _combine(reduce: Reduce, old: list[float], new: list[float]) -> list[float]:
+    pick = {"sum": lambda a, b: a + b, "min": min, "max": max}[reduce]
+    return [pick(a, b) for a, b in zip(old, new, strict=True)]

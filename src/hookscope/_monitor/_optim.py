@@ -38,13 +38,16 @@ def unwrap(optimizer: Any) -> torch.optim.Optimizer:
 
 
 class OptimizerWatch:
-    """Calls ``before(opt, names)`` and ``after(opt, names)`` around every step of an adopted
-    optimizer, ``names`` being the watched model's parameters it steps.
+    """Calls the Monitor around every step of an adopted optimizer, with ``names``, the
+    watched model's parameters it steps:
 
-    A closure optimizer (LBFGS; Lightning runs forward and backward inside
-    ``optimizer.step(closure)``) computes this step's gradients inside ``step()``:
-    ``grads(opt, names)`` is then called after the closure's first evaluation, otherwise just
-    before the update.
+    - ``grads(opt, names)`` once this step's gradients are final: just before the update, or,
+      for a closure optimizer (LBFGS; Lightning runs forward and backward inside
+      ``optimizer.step(closure)``), after the closure's first evaluation;
+    - ``check(opt, names) -> bool`` right after it: ``True`` skips this update (the
+      gradients are hidden from the optimizer, which then leaves those parameters and their
+      state alone, and are given back after);
+    - ``before(opt, names)`` and ``after(opt, names)`` around the update itself.
     """
 
     def __init__(
@@ -52,12 +55,15 @@ class OptimizerWatch:
         hooks: HookSet,
         owned: Callable[[torch.optim.Optimizer], list[str]],
         *,
-        before: Callable[[torch.optim.Optimizer, list[str]], None],
         grads: Callable[[torch.optim.Optimizer, list[str]], None],
+        check: Callable[[torch.optim.Optimizer, list[str]], bool],
+        before: Callable[[torch.optim.Optimizer, list[str]], None],
         after: Callable[[torch.optim.Optimizer, list[str]], None],
     ) -> None:
-        self._owned, self._before, self._grads, self._after = owned, before, grads, after
+        self._owned, self._grads, self._check = owned, grads, check
+        self._before, self._after = before, after
         self._cache: dict[int, tuple[weakref.ref, int, list[str]]] = {}
+        self._hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self.adopted: list[weakref.ref[torch.optim.Optimizer]] = []
         hooks.optimizer_step_pre_global(self._pre)
         hooks.optimizer_step_post_global(self._post)
@@ -86,7 +92,7 @@ class OptimizerWatch:
         # torch passes step()'s own arguments, ``self`` first: (self, closure=None).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
-            self._grads(opt, names)
+            self._final_grads(opt, names)
             self._before(opt, names)
             return None
         self._before(opt, names)
@@ -97,14 +103,26 @@ class OptimizerWatch:
             loss = closure()
             if first:
                 first = False
-                self._grads(opt, names)
+                self._final_grads(opt, names)
             return loss
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": closure_then_read}
         return (args[0], closure_then_read, *args[2:]), kwargs
 
+    def _final_grads(self, opt: torch.optim.Optimizer, names: list[str]) -> None:
+        self._grads(opt, names)
+        if self._check(opt, names):
+            hidden = [(p, p.grad) for group in opt.param_groups for p in group["params"]]
+            for p, _ in hidden:
+                p.grad = None
+            self._hidden[id(opt)] = hidden
+
     def _post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         names = self._names(opt)
-        if names:
+        hidden = self._hidden.pop(id(opt), None)
+        if hidden is not None:
+            for p, grad in hidden:
+                p.grad = grad
+        elif names:
             self._after(opt, names)
