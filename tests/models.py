@@ -51,6 +51,54 @@ def bert(**overrides: object) -> nn.Module:
     return BertModel(BertConfig(**config)).eval()
 
 
+def reformer() -> nn.Module:
+    """A tiny ``ReformerModel`` (local and LSH attention) in training mode, dropout off.
+
+    Its reversible layers run forward under ``torch.no_grad()`` and recompute each layer's
+    attention and feed_forward inside backward (which refuses to run in eval mode).
+    ``hash_seed`` fixes the LSH hashing, so calling the layers by hand gives the same buckets.
+    """
+    from transformers import ReformerConfig, ReformerModel
+
+    config = ReformerConfig(
+        attn_layers=["local", "lsh", "local", "lsh"],
+        hidden_size=32,
+        feed_forward_size=64,
+        num_attention_heads=2,
+        attention_head_size=16,
+        axial_pos_embds=False,
+        max_position_embeddings=64,
+        vocab_size=100,
+        local_attn_chunk_length=8,
+        lsh_attn_chunk_length=8,
+        num_buckets=4,
+        is_decoder=False,
+        hash_seed=0,
+        hidden_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0,
+        lsh_attention_probs_dropout_prob=0.0,
+    )
+    return ReformerModel(config).train()
+
+
+def reformer_by_hand(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Reformer's forward with plain autograd (no reversible trick), from its own modules.
+
+    Returns the encoder's output and, by qualified name, the output of each layer's
+    attention and feed_forward, still in the autograd graph.
+    """
+    h = a = model.embeddings(input_ids=ids)
+    parts: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(model.encoder.layers):
+        f = layer.attention(hidden_states=h).hidden_states  # Y1 = X1 + f(X2)
+        a = a + f
+        g = layer.feed_forward(a)  # Y2 = X2 + g(Y1)
+        h = h + g
+        parts[f"encoder.layers.{i}.attention"] = f
+        parts[f"encoder.layers.{i}.feed_forward"] = g
+    return model.encoder.layer_norm(torch.cat([a, h], dim=-1)), parts
+
+
 def token_ids(batch: int = 2, length: int = 8, vocab: int = 100) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length))
 

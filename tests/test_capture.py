@@ -279,3 +279,143 @@ def test_backward_after_the_block_warns_that_no_gradient_was_recorded() -> None:
             loss = model(torch.ones(1, 2)).sum()
     loss.backward()
     assert cap["0"].grad_output == (None,)
+
+
+# -- inputs that are non-contiguous views ------------------------------------------------------
+
+ALL = ("input", "output", "grad_input", "grad_output")
+
+
+class Halves(nn.Module):
+    def forward(self, x):
+        return x.chunk(2, dim=-1)
+
+
+class GeGLU(nn.Module):
+    """ModernBERT's MLP: the activation runs on one half of a chunk, a non-contiguous view."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.wi = nn.Linear(d, 2 * hidden)
+        self.halves = Halves()  # two outputs: capturing their gradients copies both
+        self.act = nn.GELU()
+        self.wo = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        a, g = self.halves(self.wi(x))
+        return self.wo(self.act(a) * g)
+
+
+def _layouts(module: nn.Module) -> tuple[list, object]:
+    """Record the layout of what ``module`` really runs on (a hook after hookscope's)."""
+    seen: list[tuple] = []
+    handle = module.register_forward_pre_hook(
+        lambda m, args: seen.append((args[0].stride(), args[0].storage_offset()))
+    )
+    return seen, handle
+
+
+@pytest.mark.parametrize("where", ["act", "**"])
+@pytest.mark.parametrize("size", [(2, 5, 8, 16), (4, 64, 64, 512)], ids=["small", "vectorized"])
+def test_grad_input_of_a_non_contiguous_view_changes_no_bit_of_the_output(
+    size: tuple[int, int, int, int], where: str
+) -> None:
+    batch, length, d, hidden = size
+    model = GeGLU(d, hidden)
+    x = torch.randn(batch, length, d, requires_grad=True)
+    bare = model(x)
+    (bare_grad_x,) = torch.autograd.grad(bare.sum(), x)
+    a = model.halves(model.wi(x))[0]
+    assert not a.is_contiguous()  # the case in question
+    with hs.capture(model, where, what=ALL) as cap:
+        seen, handle = _layouts(model.act)
+        y = model(x)
+        y.sum().backward()
+    handle.remove()
+    assert torch.equal(y, bare)
+    assert torch.equal(x.grad, bare_grad_x)
+    assert seen == [(a.stride(), a.storage_offset())]  # hookscope's copy is laid out like a
+    (expected,) = torch.autograd.grad(
+        model.wo(model.act(a) * model.halves(model.wi(x))[1]).sum(), a
+    )
+    assert torch.equal(cap["act"].grad_input[0], expected)
+    assert_no_hooks(model)
+
+
+def test_copy_for_the_gradient_keeps_strides_offset_and_survives_in_place_ops() -> None:
+    from hookscope._sites import same_layout_copy
+
+    base = torch.randn(6, 8, requires_grad=True)
+    for view in (base.t()[1:], base[:, 3:5], base[2:, :1].expand(4, 5), base[1:]):
+        copy = same_layout_copy(view)
+        assert copy.shape == view.shape and torch.equal(copy, view)
+        assert (copy.stride(), copy.storage_offset()) == (view.stride(), view.storage_offset())
+        assert copy._base is None and copy.untyped_storage().data_ptr() != base.data_ptr()
+    seen = []
+    copy = same_layout_copy(base[:, 2:6])
+    copy.register_hook(seen.append)
+    torch.relu_(copy).sum().backward()  # a view would refuse the in-place op or drop the hook
+    relu_grad = (base[:, 2:6] > 0).float()  # the gradient of the value before the ReLU
+    assert torch.equal(seen[0], relu_grad) and torch.equal(base.grad[:, 2:6], relu_grad)
+
+
+# -- models that turn autograd off themselves: Reformer's reversible layers --------------------
+
+
+def test_reformer_gradients_come_from_the_recompute_in_backward_and_equal_plain_autograd() -> None:
+    from models import reformer, reformer_by_hand, token_ids
+
+    model = reformer()
+    ids, weight = token_ids(2, 16), torch.randn(2, 16, 64)
+    out, parts = reformer_by_hand(model, ids)
+    expected = torch.autograd.grad((out * weight).sum(), list(parts.values()))
+    model.zero_grad()
+    where = ["encoder.layers.*.attention", "encoder.layers.*.feed_forward"]
+    grad_modes: list[tuple[bool, bool]] = []
+    ff = model.encoder.layers[0].feed_forward
+    handle = ff.register_forward_pre_hook(
+        lambda m, a: grad_modes.append(
+            (torch.is_grad_enabled(), torch._C._current_graph_task_id() != -1)
+        )
+    )
+    with hs.capture(model, where, what=("output", "grad_output")) as cap:
+        ((model(ids).last_hidden_state) * weight).sum().backward()
+    handle.remove()
+    # Forward without autograd, then again with it inside backward: nothing else to hook.
+    assert grad_modes == [(False, False), (True, True)]
+    for (name, part), grad in zip(parts.items(), expected, strict=True):
+        output = cap[name].output
+        assert torch.equal(getattr(output, "hidden_states", output), part.detach()), name
+        torch.testing.assert_close(cap[name].grad_output[0], grad, rtol=1e-5, atol=1e-4)
+    assert_no_hooks(model)
+
+
+def test_reformer_layers_never_rerun_warn_that_the_model_turned_autograd_off() -> None:
+    from models import reformer, token_ids
+
+    model, ids = reformer(), token_ids(2, 16)
+    with pytest.warns(hs.NoGradWarning) as caught:
+        with hs.capture(model, "encoder.layers.*", what="grad_output") as cap:
+            model(ids).last_hidden_state.sum().backward()
+    (message,) = [str(w.message) for w in caught]
+    assert "the model's own forward ran them with autograd off" in message
+    assert "called with autograd on" in message and "feed_forward" in message
+    assert cap["encoder.layers.0"].grad_output is None  # nothing recorded, nothing wrong
+    # Called under the user's torch.no_grad(), the message says just that.
+    with pytest.warns(hs.NoGradWarning, match=r"the forward pass ran under torch\.no_grad"):
+        with hs.capture(model, "encoder.layers.0.attention", what="grad_output"):
+            with torch.no_grad():
+                model(ids)
+    assert_no_hooks(model)
+
+
+def test_reformer_module_shared_by_two_layers_records_no_gradient_rather_than_a_wrong_one() -> None:
+    from models import reformer, token_ids
+
+    model, ids = reformer(), token_ids(2, 16)
+    layers = model.encoder.layers
+    layers[1].feed_forward = layers[0].feed_forward  # called twice per pass, re-run twice
+    with pytest.warns(hs.NoGradWarning, match="could not tell which call"):
+        with hs.capture(model, "encoder.layers.0.feed_forward", what="grad_output") as cap:
+            model(ids).last_hidden_state.sum().backward()
+    assert [r.grad_output for r in cap.all("encoder.layers.0.feed_forward")] == [None, None]

@@ -148,3 +148,58 @@ def test_no_grad_gradient_edit_warns() -> None:
     with pytest.warns(hs.NoGradWarning):
         with hs.intervene(model, "0", lambda g, s: g, at="grad_output"), torch.no_grad():
             model(torch.randn(1, 4))
+
+
+def test_identity_grad_input_edit_on_a_non_contiguous_view_changes_no_bit() -> None:
+    class GeGLU(nn.Module):  # ModernBERT's MLP: GELU on one half of a chunk, a strided view
+        def __init__(self) -> None:
+            super().__init__()
+            self.wi, self.act, self.wo = nn.Linear(64, 1024), nn.GELU(), nn.Linear(512, 64)
+
+        def forward(self, x):
+            a, g = self.wi(x).chunk(2, dim=-1)
+            return self.wo(self.act(a) * g)
+
+    model, x = GeGLU(), torch.randn(4, 64, 64)
+    bare = model(x)
+    bare.sum().backward()
+    bare_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with hs.intervene(model, "act", lambda g, site: None, at="grad_input"):
+        y = model(x)
+        y.sum().backward()
+    assert torch.equal(y, bare)
+    for p, grad in zip(model.parameters(), bare_grads, strict=True):
+        assert torch.equal(p.grad, grad)
+
+
+def test_gradient_edits_on_reformer_apply_in_the_recompute_and_match_plain_autograd() -> None:
+    from models import reformer, reformer_by_hand, token_ids
+
+    model = reformer()
+    ids, weight = token_ids(2, 16), torch.randn(2, 16, 64)
+
+    def grads(run) -> list[torch.Tensor]:
+        model.zero_grad()
+        with (
+            hs.intervene(
+                model, "encoder.layers.1.feed_forward", lambda g, s: g * 2, at="grad_output"
+            ),
+            hs.intervene(
+                model, "encoder.layers.2.attention.output", lambda g, s: -g, at="grad_input"
+            ),
+        ):
+            (run() * weight).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    got = grads(lambda: model(ids).last_hidden_state)  # edits in backward's recompute
+    want = grads(lambda: reformer_by_hand(model, ids)[0])  # the same edits, plain autograd
+    for (name, _), a, b in zip(model.named_parameters(), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    model.zero_grad()
+    (model(ids).last_hidden_state * weight).sum().backward()
+    assert not torch.allclose(model.embeddings.word_embeddings.weight.grad, got[0])  # it edited
+    assert_no_hooks(model)
+    with pytest.warns(hs.NoGradWarning, match="model's own forward ran them with autograd off"):
+        with hs.intervene(model, "encoder.layers.0", lambda g, s: g, at="grad_output"):
+            model(ids).last_hidden_state.sum().backward()  # the layer itself is never re-run

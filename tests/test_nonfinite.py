@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def test_raise_comes_from_optimizer_step_before_the_update(make) -> None:
     opt = make(model.parameters(), lr=1e-2)
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
     with hs.Monitor(model, every=1, on_nonfinite="raise") as mon:
-        for step in range(2):
+        for _step in range(2):
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -124,3 +125,143 @@ def test_skip_with_a_closure_optimizer() -> None:
         mon.step()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert [(f.kind, f.step) for f in mon.findings] == [("nonfinite", 1)]
+
+
+# -- traced to the op and the source line ------------------------------------------------------
+
+
+def line_of(marker: str) -> str:
+    """``"<this file>:<line>"`` of the line holding ``marker``."""
+    lines = Path(__file__).read_text().splitlines()
+    number = next(i + 1 for i, line in enumerate(lines) if line.rstrip().endswith(marker))
+    return f"{__file__}:{number}"
+
+
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x - 1.5)  # <- log
+
+
+class SqrtAtZero(nn.Module):
+    """Finite forward, infinite backward: d/dx sqrt(x - x.detach()) at 0 is inf."""
+
+    def forward(self, x):
+        return x + torch.sqrt(x - x.detach())  # <- sqrt
+
+
+class Normalise(nn.Module):
+    def forward(self, x):
+        zero = x * 0
+        return x / zero.norm(dim=1, keepdim=True)  # <- div
+
+
+class Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x * 200)  # <- exp
+
+
+class Outer(nn.Module):
+    """Nested: the op runs two levels down, in a module called twice per forward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 8), inner)
+
+    def forward(self, x):
+        return self.block(torch.tanh(self.block(x)))
+
+
+def traced(model, x, steps=1, loss=lambda out: out.square().mean(), **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with hs.Monitor(model, every=1, **kw) as mon:
+        for _ in range(steps):
+            opt.zero_grad()
+            loss(model(x)).backward()
+            opt.step()
+            mon.step()
+    return next(f for f in mon.findings if f.kind == "nonfinite")
+
+
+@pytest.mark.parametrize(
+    ("inner", "op", "phase", "marker"),
+    [
+        (Log(), "aten.log", "forward", "# <- log"),
+        (SqrtAtZero(), "aten.sqrt", "backward", "# <- sqrt"),
+        (Normalise(), "aten.div", "forward", "# <- div"),
+        (Exp(), "aten.exp", "forward", "# <- exp"),
+    ],
+    ids=["log", "sqrt-backward", "div-by-zero-norm", "exp-overflow"],
+)
+def test_the_op_module_phase_and_line_are_named(inner, op, phase, marker) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.BatchNorm1d(8), Outer(inner))
+    finding = traced(model, torch.randn(16, 8) + 2)
+    assert (finding.op, finding.phase, finding.source) == (op, phase, line_of(marker))
+    assert finding.module == "3.block.1"
+    assert line_of(marker) in finding.message and op in finding.message
+
+
+def test_a_nan_already_in_the_batch_is_blamed_on_the_data_not_an_op() -> None:
+    model = net()
+    x = torch.randn(16, 8)
+    x[3, 2] = float("nan")
+    finding = traced(model, x)
+    assert (finding.module, finding.phase, finding.op) == ("0", "forward", None)
+    assert "already NaN/Inf" in finding.message
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_traced_under_activation_checkpointing(reentrant) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.risky = nn.Linear(8, 8), SqrtAtZero()
+
+        def forward(self, x):
+            return checkpoint(lambda h: self.risky(self.fc(h)), x, use_reentrant=reentrant)
+
+    finding = traced(Net(), torch.randn(4, 8, requires_grad=True))
+    assert (finding.op, finding.phase, finding.source) == (
+        "aten.sqrt",
+        "backward",
+        line_of("# <- sqrt"),
+    )
+
+
+def test_the_replay_leaves_no_trace() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.BatchNorm1d(8), Log())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 8) + 2
+    with hs.Monitor(model, every=1, on_nonfinite="raise"):
+        model(x).square().mean().backward()
+        saved = (
+            copy.deepcopy(model.state_dict()),
+            [(p.grad, p.grad.clone()) for p in model.parameters()],
+            torch.get_rng_state(),
+        )
+        with pytest.raises(hs.NonFiniteError) as info:
+            opt.step()
+        assert all(torch.equal(saved[0][k], v) for k, v in model.state_dict().items())
+        for (grad, values), p in zip(saved[1], model.parameters(), strict=True):
+            assert p.grad is grad and torch.equal(grad.nan_to_num(), values.nan_to_num())
+        assert torch.equal(saved[2], torch.get_rng_state())
+    assert (info.value.op, info.value.phase, info.value.source) == (
+        "aten.log",
+        "forward",
+        line_of("# <- log"),
+    )
+
+
+def test_an_overflowing_attention_score_in_gpt2_is_traced_into_transformers() -> None:
+    from models import gpt2, token_ids
+
+    model = gpt2(attn_implementation="eager").train()
+    with torch.no_grad():
+        model.transformer.h[1].attn.c_attn.weight.mul_(1e20)  # q.k overflows to inf
+    finding = traced(model, token_ids(), loss=lambda out: out.logits.square().mean())
+    assert finding.phase == "forward" and finding.op in ("aten.bmm", "aten.matmul")
+    assert finding.module == "transformer.h.1.attn"
+    assert "modeling_gpt2.py" in finding.source

@@ -6,6 +6,8 @@ values and gradients, tap intermediate tensors, monitor and diagnose training, a
 
 from ._capture import Capture as Capture
 from ._capture import capture as capture
+from ._dataset import FeatureStore as FeatureStore
+from ._dataset import extract_dataset as extract_dataset
 from ._diagnose import Finding as Finding
 from ._diagnose import Thresholds as Thresholds
 from ._errors import CompiledModelError as CompiledModelError
@@ -22,6 +24,8 @@ from ._intervene import intervene as intervene
 from ._log import read_log as read_log
 from ._monitor import Monitor as Monitor
 from ._record import Record as Record
+from ._replay import Replay as Replay
+from ._replay import replay as replay
 from ._report import report as report
 from ._select import select as select
 from ._sinks import JsonlSink as JsonlSink
@@ -36,6 +40,7 @@ from ._version import __version__ as __version__
 __all__ = [
     "Capture",
     "CompiledModelError",
+    "FeatureStore",
     "Finding",
     "HookscopeError",
     "HookscopeWarning",
@@ -48,6 +53,7 @@ __all__ = [
     "NoGradWarning",
     "NonFiniteError",
     "Record",
+    "Replay",
     "SelectionError",
     "Sink",
     "Site",
@@ -56,8 +62,10 @@ __all__ = [
     "Thresholds",
     "capture",
     "extract",
+    "extract_dataset",
     "intervene",
     "read_log",
+    "replay",
     "report",
     "select",
     "summary",

@@ -64,10 +64,16 @@ def capture(
     ``register_full_backward_hook``), so they work with in-place ops after the module and on
     dict or dataclass outputs. Capturing outputs, inputs and ``grad_output`` changes no bit of
     the model's outputs or gradients. ``grad_input`` gives each positional input a copy of its
-    own, so that its hook sees only the gradient flowing through this module; where an input
-    also feeds other modules, autograd then adds the same gradient terms in another order,
-    and parameter gradients may differ in the last bits (about 1e-7 relative, as with
-    PyTorch's own full backward hooks).
+    own, laid out in memory like the input (strides and offset: the module runs the same
+    kernels, so outputs keep every bit), so that its hook sees only the gradient flowing
+    through this module; where an input also feeds other modules, autograd then adds the
+    same gradient terms in another order, and parameter gradients may differ in the last
+    bits (about 1e-7 relative, as with PyTorch's own full backward hooks).
+
+    Modules the model itself runs without autograd get their gradients when the model runs
+    them again during backward: reentrant activation checkpointing, and reversible layers
+    (Reformer: each layer's attention and feed_forward, not the layer around them). A
+    :class:`NoGradWarning` names those left without one, and why.
 
     Returns:
         A :class:`Capture`: ``cap[name]`` is the module's last :class:`Record`.
@@ -143,13 +149,15 @@ class Capture:
 
     def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if in_backward_recompute():
-            # A checkpoint re-runs forward: never a new record. If the first run had no
-            # autograd (reentrant checkpoint), this run carries the gradients: attach them.
+            # A checkpoint or reversible layer re-runs forward: never a new record. If the
+            # first run had no autograd, this run carries the gradients: attach them.
             original = None
             if torch.is_grad_enabled():
                 self._rerun.add(name)
                 original = self._clock.original(name, args)
-            record = self._no_grad.pop((name, *original), None) if original else None
+            key = (name, *original) if original else None
+            record = self._no_grad.pop(key, None) if key else None
+            self._in_model.discard(key)
             self._open[name].append(record)
             return self._hook_grad_inputs(record, args, kwargs) if record else None
         record = Record(name, self._clock.next(name, args), self._clock.pass_)

@@ -100,6 +100,22 @@ def _parser() -> _Parser:
     )
     summ.add_argument("--json", action="store_true", help="print the summary as JSON")
     summ.set_defaults(run=_summary)
+
+    rep = sub.add_parser(
+        "replay",
+        help="re-run a flight-recorder bundle and name the op and line that made the NaN/Inf",
+        description="Load a replay bundle (written by hs.Monitor(..., record_dir=DIR)) into the "
+        "model built by MODULE:FACTORY, re-run the recorded step under an op-level tracer and "
+        "print the finding, the op, the module and the source line.",
+    )
+    rep.add_argument("bundle", metavar="BUNDLE", help="the bundle directory")
+    rep.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="a function that builds the model the same way as the recorded run",
+    )
+    rep.set_defaults(run=_replay)
     return root
 
 
@@ -194,6 +210,20 @@ def _summary(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=1))
     else:
         _print_table(result)
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import torch
+
+    from ._replay import replay
+
+    model = _load_factory(args.model)()
+    if not isinstance(model, torch.nn.Module):
+        raise _UserError(
+            f"{args.model} returned {type(model).__name__}, expected a torch.nn.Module"
+        )
+    print(replay(args.bundle, model))
     return 0
 
 

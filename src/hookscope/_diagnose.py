@@ -87,6 +87,9 @@ class Diagnosis:
         self._reported: set[tuple[str, str]] = set()
         self._streak: dict[str, int] = {}
 
+    def is_new(self, finding: Finding) -> bool:
+        return (finding.kind, finding.module) not in self._reported
+
     def first_time(self, finding: Finding) -> bool:
         key = (finding.kind, finding.module)
         if key in self._reported:

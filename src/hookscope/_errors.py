@@ -63,7 +63,11 @@ class NeverCalledWarning(HookscopeWarning):
 
 
 class NoGradWarning(HookscopeWarning):
-    """Gradients were asked for, but the forward pass ran without autograd."""
+    """Gradients were asked for, but none came.
+
+    The forward pass ran without autograd (under the user's ``torch.no_grad()``, or one in
+    the model's own code), or no backward reached the hooks while they were attached.
+    """
 
 
 def missing_extra(module: str, extra: str) -> ImportError:

@@ -6,6 +6,7 @@ A *site* is one place a value passes: a module's input, output, or the gradient 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +70,8 @@ class CallClock:
     - a module called once in the pass that made the autograd node now running backward is
       its own match (the node's sequence number tells which calls came after it);
     - else the first module of a checkpoint segment is recognised by its input storage (the
-      checkpoint hands it the very tensors of the first pass);
+      checkpoint keeps the very tensors of the first pass alive and hands them over; a
+      freed tensor's address proves nothing, the allocator hands it out again);
     - and the modules after a match follow the first pass's order from there.
     """
 
@@ -79,8 +81,9 @@ class CallClock:
         # a torch.no_grad() of the user's from one inside the model.
         self.root_grad: bool | None = None
         self._calls: dict[str, int] = defaultdict(int)
-        # (name, pass, call, storage key, autograd sequence number when called)
-        self._trail: deque[tuple[str, int, int, tuple | None, int]] = deque(maxlen=1 << 16)
+        # (name, pass, call, storage key and weakref of the first tensor argument, autograd
+        # sequence number when called)
+        self._trail: deque[tuple[str, int, int, tuple | None, int, Any]] = deque(maxlen=1 << 16)
         self._task = -1
         self._at: int | None = None  # position in the trail of the last re-run call
         hooks.forward_pre(root, self._root_called, prepend=True)
@@ -100,8 +103,12 @@ class CallClock:
         """Index of this call of ``name`` in the current pass (a first-pass call)."""
         call = self._calls[name]
         self._calls[name] = call + 1
-        seq = torch._C._autograd._get_sequence_nr()  # a peek: numbers no node
-        self._trail.append((name, self.pass_, call, _storage_key(args), seq))
+        # A peek that numbers no node. Dynamo, tracing this hook, cannot read it: -1 matches none.
+        compiling = torch.compiler.is_compiling()
+        seq = -1 if compiling else torch._C._autograd._get_sequence_nr()
+        first = None if compiling else next((a for a in args if isinstance(a, torch.Tensor)), None)
+        ref = None if first is None else weakref.ref(first)
+        self._trail.append((name, self.pass_, call, _storage_key(args), seq, ref))
         return call
 
     def original(self, name: str, args: tuple[Any, ...] = ()) -> tuple[int, int] | None:
@@ -120,7 +127,10 @@ class CallClock:
                 found = [
                     i
                     for i in range(len(trail) - 1, -1, -1)
-                    if key is not None and trail[i][0] == name and trail[i][3] == key
+                    if key is not None
+                    and trail[i][0] == name
+                    and trail[i][3] == key
+                    and _alive(trail[i][5])
                 ]
                 if not found:
                     return None
@@ -150,6 +160,11 @@ class CallClock:
         return calls[0] if len(calls) == 1 and trail[calls[0]][4] > made else None
 
 
+def _alive(ref: Any) -> bool:
+    """Is the first-pass tensor still alive? Only then is its storage not reused by another."""
+    return ref is not None and ref() is not None
+
+
 def _storage_key(args: tuple[Any, ...]) -> tuple | None:
     for arg in args:
         if isinstance(arg, torch.Tensor):
@@ -176,15 +191,21 @@ def alias_grad_inputs(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]
 
 
 def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
-    """``t.clone()``, but laid out in memory exactly like ``t``: same sizes, strides and storage offset.
+    """``t.clone()``, laid out in memory exactly like ``t``: sizes, strides, storage offset.
 
     The module then runs the very kernel it runs without hooks: on a non-contiguous view
     (``a, g = x.chunk(2, -1)``) a kernel may take another code path than on a contiguous
-    copy and round differently (``nn.GELU`` does). The copy is a fresh autograd node, not a
-    view, so a hook on it survives in-place ops. Memory: for a view, the copy spans the same
-    stretch of storage as the view does, so at most the size of the tensor it views.
+    copy and round differently (``nn.GELU`` does); the same offset keeps the alignment. The
+    copy is a fresh autograd node, not a view, so a hook on it survives in-place ops.
+    Memory: for a view, the copy spans as much storage as the view reaches into, so at most
+    the size of the tensor it views.
     """
-    if (t.storage_offset() == 0 and t.is_contiguous()) or t.numel() == 0 or not _plain(t):
+    if (
+        (t.storage_offset() == 0 and t.is_contiguous())
+        or t.numel() == 0
+        or not _plain(t)
+        or torch.compiler.is_compiling()
+    ):
         return t.clone()
     return _SameLayoutCopy.apply(t)
 

@@ -10,6 +10,7 @@ optimizers are found through torch's global step hooks (``_optim.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from ._buffer import StepBuffer
 from ._nonfinite import NonFiniteTrail
 from ._optim import OptimizerWatch
 from ._probes import Activations, BatchNorms, OutputGrads, Params
+from ._trace import Tape, trace
 
 __all__ = ["Monitor"]
 
@@ -77,6 +79,12 @@ class Monitor:
         sinks: More sinks (objects with ``write(record)`` and ``close()``).
         thresholds: Diagnosis thresholds (see :class:`hs.Thresholds` for the defaults and
             where they come from); keyword arguments named after its fields override one.
+        record_dir: The flight recorder: when a finding of a kind in ``record_on`` first
+            fires, write a replay bundle under this directory (the step's root inputs, RNG
+            states, the gradient that reached the model's outputs, the model's and the
+            optimizers' state; for ``nonfinite`` with an optimizer, from before the update).
+            Replay it with :func:`hs.replay`, or ``hookscope replay BUNDLE --model M:F``.
+        record_on: Finding kinds that write a bundle (default: ``("nonfinite",)``).
 
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
     before it. Statistics are collected from modules in training mode; evaluation passes
@@ -109,6 +117,8 @@ class Monitor:
         bins: int = 32,
         sinks: Sequence[Sink] = (),
         thresholds: Thresholds | None = None,
+        record_dir: str | Path | None = None,
+        record_on: Sequence[str] = ("nonfinite",),
         **threshold_overrides: float,
     ) -> None:
         if every is not None and (not isinstance(every, int) or every < 1):
@@ -141,10 +151,14 @@ class Monitor:
         self._no_grad_names: set[str] = set()
         self._updates = self._skipped = 0
         self._nonfinite: Finding | None = None  # this step's, once found
+        self.record_dir = None if record_dir is None else Path(record_dir)
+        self.record_on = tuple(record_on)
+        self._recorded: set[str] = set()
         self._memory = MemorySink()
         self._sinks: list[Sink] = [self._memory, *sinks]
         self._hooks = HookSet("Monitor")
         try:
+            self._tape = Tape(self._hooks, model, keep_outputs=record_dir is not None)
             for name, module in self.modules.items():
                 self._hooks.forward(module, functools.partial(self._on_forward, name))
             self._optim = OptimizerWatch(
@@ -194,6 +208,8 @@ class Monitor:
     def _on_forward(
         self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
+        if self._tape.paused:  # a replay
+            return
         outs = [t for t in tensors(output) if t.is_floating_point()]
         if in_backward_recompute():
             # Activation checkpointing re-runs forward during backward: never count it again.
@@ -230,9 +246,9 @@ class Monitor:
         """The non-finite check, before the optimizer changes anything. True: skip it."""
         if self._nonfinite is None:
             host = self._buf.to_host()
-            self._nonfinite = self._trail.localise(host, self.step_count)
+            self._nonfinite = self._traced(self._trail.localise(host, self.step_count))
             if self._nonfinite is not None:
-                self._report([self._nonfinite])
+                self._report([self._nonfinite], before_update=True)
                 if self.on_nonfinite == "raise":
                     raise self._error(self._nonfinite)
         if self._nonfinite is None or self.on_nonfinite != "skip":
@@ -281,13 +297,13 @@ class Monitor:
                 probe.read(host, record)
         found = []
         if self._nonfinite is None:
-            self._nonfinite = self._trail.localise(host, step)
+            self._nonfinite = self._traced(self._trail.localise(host, step))
             if self._nonfinite is not None:
                 found.append(self._nonfinite)
         if sampled:
             found += self._diagnosis.sampled(step, record)
         self._write(record.to_dict())
-        new = self._report(found)
+        new = self._report(found, before_update=self._updates == 0)
         if self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:
             self._write_event(
                 "skipped_step",
@@ -300,13 +316,61 @@ class Monitor:
             raise self._error(nonfinite)
         return new
 
-    def _report(self, found: list[Finding]) -> list[Finding]:
-        """Keep and log the findings not seen before; return them."""
+    def _traced(self, finding: Finding | None) -> Finding | None:
+        """``finding`` with the op, phase and source line from a replay of this step under
+        an op-level tracer (first time only: the replay costs about one training step)."""
+        if finding is None or not self._tape.calls or not self._diagnosis.is_new(finding):
+            return finding
+        self._tape.paused = True
+        try:
+            origin = trace(self._model, self._tape.calls, suspect=finding.module)
+        finally:
+            self._tape.paused = False
+        if origin is None:
+            return finding
+        where = f" at {origin.source}" if origin.source else ""
+        module = origin.module or finding.module
+        return dataclasses.replace(
+            finding,
+            module=module,
+            phase=origin.phase,
+            op=origin.op,
+            source=origin.source,
+            message=f"{origin.phase}: {origin.op} in {module!r} made {origin.produced} from "
+            f"finite inputs{where}"
+            + (
+                " (in the backward pass: its gradient formula)"
+                if origin.phase == "backward"
+                else ""
+            )
+            + f", at step {finding.step}. Cheap check: {finding.message}",
+        )
+
+    def _report(self, found: list[Finding], *, before_update: bool) -> list[Finding]:
+        """Keep and log the findings not seen before, record the first of each chosen kind;
+        return them."""
         new = [f for f in found if self._diagnosis.first_time(f)]
         self.findings.extend(new)
         for finding in new:
             self._write({"type": "finding", **asdict(finding)})
+            wanted = self.record_dir is not None and finding.kind in self.record_on
+            if wanted and finding.kind not in self._recorded:
+                self._recorded.add(finding.kind)
+                self._record(finding, before_update)
         return new
+
+    def _record(self, finding: Finding, before_update: bool) -> None:
+        from .._replay import write_bundle
+
+        path = write_bundle(
+            self.record_dir,
+            finding,
+            self._model,
+            self._tape.calls,
+            self._optim.optimizers,
+            before_update=before_update,
+        )
+        self._write_event("recorded", f"replay bundle for the {finding.kind} finding: {path}")
 
     def _error(self, finding: Finding) -> NonFiniteError:
         return NonFiniteError(
@@ -331,6 +395,7 @@ class Monitor:
     def _end_step(self) -> None:
         self._buf = StepBuffer()
         self._trail.reset()
+        self._tape.reset()
         self._grads.reset()
         self._params.reset()
         self._no_grad_names.clear()
@@ -393,6 +458,8 @@ def _thresholds(base: Thresholds | None, overrides: dict[str, float]) -> Thresho
 
 _MONITOR_KEYWORDS = (
     "where",
+    "record_dir",
+    "record_on",
     "every",
     "sample",
     "log_dir",

@@ -1,0 +1,335 @@
+"""Replaying a step under an op-level tracer, to name the op and the line that made a NaN/Inf.
+
+On healthy steps the Monitor only keeps a :class:`Tape` of the step, by reference: the root
+module's inputs, the RNG state before each call, and the gradient that reached the model's
+outputs from outside (so the backward pass replays without the user's loss function). When
+a flag fires, :func:`trace` replays the tape under a ``TorchDispatchMode`` that follows every
+non-finite value back to the op that made it from finite inputs, and leaves weights, buffers,
+gradients and RNG state exactly as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .._hooks import HookSet, in_backward_recompute
+from .._tree import map_tensors, tensors
+
+__all__ = ["Call", "Origin", "Tape", "trace"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+# Ops whose output is uninitialised memory: garbage there is no NaN made by the model.
+_UNINITIALISED = frozenset(
+    {
+        "aten.empty",
+        "aten.empty_like",
+        "aten.empty_strided",
+        "aten.new_empty",
+        "aten.new_empty_strided",
+        "aten.resize_",
+        "aten.set_",
+    }
+)
+_HOOKSCOPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Call:
+    """One call of the root module: its inputs, the RNG state before it, and the gradients
+    that reached its outputs from outside (by position in ``tensors(output)``)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng: dict[str, Any]
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: list[torch.Tensor] | None = None  # detached outputs, kept for a flight recorder
+    done: bool = False
+
+
+class Tape:
+    """The current step's root calls, kept by reference (nothing is copied)."""
+
+    MAX_CALLS = 64  # beyond this many root calls in one step, stop keeping them
+
+    def __init__(self, hooks: HookSet, root: nn.Module, *, keep_outputs: bool = False) -> None:
+        self.keep_outputs = keep_outputs
+        self.calls: list[Call] = []
+        self.paused = False
+        self.complete = True
+        self._depth = 0
+        hooks.forward_pre(root, self._before, prepend=True)
+        hooks.forward(root, self._after, always_call=True)
+
+    def _before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._depth += 1
+        if self.paused or self._depth > 1 or in_backward_recompute():
+            return
+        if len(self.calls) >= self.MAX_CALLS:
+            self.complete = False
+            return
+        self.calls.append(Call(args, dict(kwargs), rng_state()))
+
+    def _after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        self._depth -= 1
+        if self.paused or self._depth > 0 or in_backward_recompute() or not self.calls:
+            return None
+        call = self.calls[-1]
+        if call.done:
+            return None
+        call.done = True
+        if output is None:
+            return None
+        if not torch.is_grad_enabled():
+            self._keep(call, output)
+            return None
+        # Hand the caller a fresh alias of each output, whose hook sees only the gradient
+        # flowing in from outside the model (not, say, from a loss the model computes itself).
+        index = iter(range(1 << 30))
+
+        def alias(t: torch.Tensor) -> torch.Tensor:
+            i = next(index)
+            if not (t.requires_grad and t.is_floating_point()):
+                return t
+            out = t.view_as(t)
+            out.register_hook(lambda g, i=i: self._grad(call, i, g))
+            return out
+
+        output = map_tensors(alias, output)
+        self._keep(call, output)
+        return output
+
+    def _keep(self, call: Call, output: Any) -> None:
+        if self.keep_outputs:
+            call.outputs = [t.detach() for t in tensors(output)]
+
+    @staticmethod
+    def _grad(call: Call, i: int, grad: torch.Tensor) -> None:
+        call.grads[i] = grad if i not in call.grads else call.grads[i] + grad
+
+    def reset(self) -> None:
+        self.calls = []
+        self.complete = True
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The op that made a NaN/Inf from finite inputs."""
+
+    op: str  # the forward op, e.g. "aten.log" (in backward: the op whose gradient broke)
+    phase: str  # "forward" or "backward"
+    module: str | None  # the innermost module running it
+    source: str | None  # "file.py:42", the user's line that called the forward op
+    produced: str  # "NaN" or "Inf"
+
+
+def trace(
+    model: nn.Module, calls: list[Call], suspect: str | None = None, *, keep_outputs: bool = False
+) -> Any:
+    """Replay ``calls`` on ``model`` under the tracer; the origin of the first NaN/Inf.
+
+    ``suspect`` is the module whose output the cheap flags found non-finite first; in the
+    forward pass the origin of the value that reached that output is reported (a mask
+    filled with -inf that a softmax absorbs is not a culprit). Weights, buffers, ``.grad``,
+    RNG state are left exactly as they were. With ``keep_outputs``, returns
+    ``(origin, outputs)``, the outputs of the calls replayed.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    origin, outputs = None, []
+    with _preserved(model), _Tracer(names, suspect) as tracer:
+        for call in calls:
+            set_rng_state(call.rng)
+            with torch.enable_grad():
+                output = model(*call.args, **call.kwargs)
+            outputs.append(output)
+            origin = tracer.forward_done(output)
+            if origin is not None:
+                break
+            outs = tensors(output)
+            pairs = [(outs[i], g) for i, g in call.grads.items() if i < len(outs)]
+            pairs = [(o, g) for o, g in pairs if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            origin = tracer.backward_origin
+            if origin is not None:
+                break
+    return (origin, outputs) if keep_outputs else origin
+
+
+@contextmanager
+def _preserved(model: nn.Module) -> Iterator[None]:
+    """Restore buffers, ``.grad`` and the RNG state after the block."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    rng = rng_state()
+    for p, _ in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, grad in grads:
+            p.grad = grad
+        set_rng_state(rng)
+
+
+class _Tracer(TorchDispatchMode):
+    """Follows each non-finite tensor back to the op that first made it from finite inputs."""
+
+    def __init__(self, names: dict[int, str], suspect: str | None) -> None:
+        super().__init__()
+        self.names, self.suspect = names, suspect
+        self.stack: list[str] = []
+        self.backward_origin: Origin | None = None
+        self.suspect_origin: Origin | None = None
+        self.first_forward: Origin | None = None
+        self._origin: dict[int, tuple[weakref.ref, Origin]] = {}
+        self._pending: list[tuple[weakref.ref, Origin]] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _Tracer:
+        mm = torch.nn.modules.module
+        self._handles = [
+            mm.register_module_forward_pre_hook(self._enter_module),
+            mm.register_module_forward_hook(self._exit_module, always_call=True),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        super().__exit__(*exc)
+
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(id(module), type(module).__name__))
+
+    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.stack:
+            return
+        name = self.stack.pop()
+        if in_backward_recompute():
+            return
+        if name == self.suspect and self.suspect_origin is None:
+            self.suspect_origin = self._origin_of(output)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self._label_nodes()
+        flat_in = [t for t in tree_flatten((args, kwargs))[0] if _float_tensor(t)]
+        bad_in = [t for t in flat_in if not _finite(t)]
+        out = func(*args, **kwargs)
+        if str(func.overloadpacket) in _UNINITIALISED:
+            return out
+        flat_out = [t for t in tree_flatten(out)[0] if _float_tensor(t)]
+        origin = self._forward_origin(func)
+        # Label what autograd makes of it, also when a checkpoint re-runs forward in backward.
+        self._pending.extend((weakref.ref(t), origin) for t in flat_out)
+        if torch._C._current_graph_task_id() == -1:
+            for t in flat_out:
+                if _finite(t):
+                    continue
+                # Made here from finite inputs, or carried from where a non-finite input was
+                # made (nowhere we saw, when it came in with the data or the weights).
+                made = self._origin_of(bad_in) if bad_in else _with(origin, t)
+                if made is not None:
+                    self._origin[id(t)] = (weakref.ref(t), made)
+                if not bad_in and self.first_forward is None:
+                    self.first_forward = made
+        elif self.backward_origin is None and not bad_in:
+            broken = [t for t in flat_out if not _finite(t)]
+            if broken:
+                self.backward_origin = self._backward_origin(func, broken[0])
+        return out
+
+    def _forward_origin(self, func: Any) -> Origin:
+        return Origin(
+            op=str(func.overloadpacket),
+            phase="forward",
+            module=self.stack[-1] if self.stack else None,
+            source=_user_line(),
+            produced="NaN",
+        )
+
+    def _backward_origin(self, func: Any, t: torch.Tensor) -> Origin:
+        node = torch._C._current_autograd_node()
+        info = node.metadata.get("hookscope") if node is not None else None
+        if info is None:
+            name = node.name() if node is not None else str(func.overloadpacket)
+            return Origin(name, "backward", None, None, _kind(t))
+        return Origin(info.op, "backward", info.module, info.source, _kind(t))
+
+    def _label_nodes(self) -> None:
+        """Autograd sets an op's ``grad_fn`` after the op returns: label it now, so that a
+        backward op can name the forward op, module and line its node came from."""
+        pending, self._pending = self._pending, []
+        for ref, origin in pending:
+            t = ref()
+            node = getattr(t, "grad_fn", None) if t is not None else None
+            if node is not None and "hookscope" not in node.metadata:
+                node.metadata["hookscope"] = origin
+
+    def _origin_of(self, value: Any) -> Origin | None:
+        for t in tensors(value):
+            entry = self._origin.get(id(t))
+            if entry is not None and entry[0]() is t:
+                return entry[1]
+        return None
+
+    def forward_done(self, output: Any) -> Origin | None:
+        """After a replayed forward: the origin of the NaN/Inf that reached the suspect (or
+        the model's output), if the forward pass made one."""
+        self._label_nodes()
+        return self.suspect_origin or self._origin_of(output) or self.first_forward
+
+
+def _with(origin: Origin, t: torch.Tensor) -> Origin:
+    return Origin(origin.op, origin.phase, origin.module, origin.source, _kind(t))
+
+
+def _kind(t: torch.Tensor) -> str:
+    return "NaN" if bool(torch.isnan(t).any()) else "Inf"
+
+
+def _float_tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return t.numel() == 0 or bool(torch.isfinite(t).all())
+
+
+def _user_line() -> str | None:
+    """The innermost frame outside torch and hookscope: the line that called the op."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        internal = path.startswith(_HOOKSCOPE_DIR) and not path.endswith("_demo.py")
+        if not (path.startswith(_TORCH_DIR) or internal):
+            return f"{path}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
