@@ -46,46 +46,107 @@ class Finding:
 
 
 @dataclass(frozen=True)
+class Graph:
+    """Which watched module's output fed which module's input in the last forward pass.
+
+    ``edges`` are ``(producer, consumer)`` pairs; a module that returned its input unchanged
+    (``nn.Identity``, a view) is not a point of its own. ``sources`` are modules fed by
+    tensors no watched module made (the data, or an op in a container's ``forward``).
+    """
+
+    edges: frozenset[tuple[str, str]]
+    sources: frozenset[str]
+    detached: frozenset[str] = frozenset()  # modules whose output was used detached
+
+    def inputs_side(self, have: set[str]) -> list[str]:
+        """Modules in ``have`` that no other module in ``have`` feeds."""
+        fed = {c for p, c in self.edges if p in have and c in have and p != c}
+        return sorted(have - fed)
+
+    def loss_side(self, have: set[str]) -> list[str]:
+        """Modules in ``have`` that feed no other module in ``have``."""
+        feeding = {p for p, c in self.edges if p in have and c in have and p != c}
+        return sorted(have - feeding)
+
+
+@dataclass(frozen=True)
 class Thresholds:
     """When a statistic becomes a finding. Defaults and their sources:
 
     Attributes:
         dead_unit: A ReLU unit is dead on a step when at least this fraction of its
             activations is <= 0 (DeepDiagnosis: 0.7).
-        dead_layer: ``dead_units`` when at least this fraction of a layer's units is dead.
+        dead_layer: ``dead_units`` when at least this fraction of a layer's units is dead
+            (DeepDiagnosis: 0.7), in a layer of at least ``dead_min_units`` units.
+        dead_min_units / dead_min_samples: Layers with fewer units than this (a
+            squeeze-excite bottleneck), or units seen fewer times than that in a step, say
+            too little to judge.
         saturated: ``saturated_units`` when more than this fraction of a bounded activation's
             (tanh, sigmoid, ...) outputs lie within 1e-3 of its bounds, i.e. its inputs lie
             outside about ±5 for tanh (DeepDiagnosis: 0.5 outside ±5).
-        explode_ratio: ``exploding_gradient`` when the RMS gradient of the module closest to
-            the input exceeds this multiple of that of the module closest to the loss
-            (AutoTrainer: 70).
-        vanish_ratio / vanish_rms: ``vanishing_gradient`` when that ratio falls below
-            ``vanish_ratio`` (AutoTrainer: 1e-3) and the input-side RMS gradient is below
-            ``vanish_rms`` (AutoTrainer: 1e-4 on norms; DeepDiagnosis: mean |g| < 1e-7).
+        explode_relative: ``exploding_gradient`` when the weights' gradient norm exceeds
+            this multiple of their norm (over weight matrices and kernels, leaving out tiny
+            ones and those a normalisation layer rescales): one SGD step at a usual learning
+            rate (1e-2) would then change them tenfold. Scale-free; healthy networks, from
+            tiny test widths to real ones, stay below about 20 (129 architectures measured).
+        explode_ratio: ... or when the RMS gradient on the input side exceeds this multiple
+            of that on the loss side (AutoTrainer: 70) while the weights' gradients are at
+            least ``explode_relative / 100`` of their norm (an activation-gradient ratio alone
+            also fires on healthy models that normalise a deliberately tiny input, such as
+            RWKV's 1e-4 embeddings feeding a LayerNorm).
+        explode_growth: ... or when the total gradient norm and the loss both grow by this
+            factor over the sampled steps so far (divergence).
+        vanish_ratio / vanish_rms: ``vanishing_gradient`` when the input-side RMS gradient
+            falls below ``vanish_ratio`` of the loss side's (AutoTrainer: 1e-3) and below
+            ``vanish_rms`` (AutoTrainer: 1e-4 on norms; DeepDiagnosis: mean |g| < 1e-7) ...
+        vanish_relative: ... and the input-side weights' gradients are below this fraction
+            of their norms: those layers have stopped learning (pooling and fan-out lower
+            the RMS gradient of healthy audio encoders and encoder–decoders too, but their
+            input layers still learn).
         update_low / update_high: ``update_ratio`` when ||ΔW||/||W|| of a weight matrix or
             kernel stays outside [update_low, update_high] (two orders of magnitude around the
             1e-3 rule of thumb; DeepDiagnosis uses [1e-5, 1e-1]) ...
         update_patience: ... for this many sampled steps in a row.
+        tiny_rms: Weights whose RMS is below this (zero-initialised cls tokens, gates and
+            position tables; deliberately tiny inits) are not judged by ratios to their own
+            norm: those ratios are ~1/(t+1) at any learning rate.
     """
 
     dead_unit: float = 0.7
     dead_layer: float = 0.7
+    dead_min_units: int = 8
+    dead_min_samples: int = 16
     saturated: float = 0.5
+    explode_relative: float = 1000.0
     explode_ratio: float = 70.0
+    explode_growth: float = 1e3
     vanish_ratio: float = 1e-3
     vanish_rms: float = 1e-4
+    vanish_relative: float = 1e-6
     update_low: float = 1e-5
     update_high: float = 1e-1
     update_patience: int = 3
+    tiny_rms: float = 1e-3
 
 
 class Diagnosis:
     """Stateful rules: remembers what was reported, and streaks across steps."""
 
-    def __init__(self, thresholds: Thresholds) -> None:
+    def __init__(
+        self,
+        thresholds: Thresholds,
+        shapes: dict[str, list[int]] | None = None,
+        types: dict[str, str] | None = None,
+    ) -> None:
         self.t = thresholds
+        self.types = types or {}  # module name -> class name
+        self.shapes = shapes or {}
+        self.numel = {name: math.prod(shape) for name, shape in self.shapes.items()}
         self._reported: set[tuple[str, str]] = set()
         self._streak: dict[str, int] = {}
+        self._no_grad: dict[str, int] = {}
+        self._initial: dict[str, float] = {}  # RMS of each weight when first seen
+        self._first: tuple[float, float] | None = None  # (total grad norm, loss) at the start
 
     def is_new(self, finding: Finding) -> bool:
         return (finding.kind, finding.module) not in self._reported
@@ -98,11 +159,12 @@ class Diagnosis:
         return True
 
     # -- sampled steps ---------------------------------------------------------------------
-    def sampled(self, step: int, record: StepRecord) -> list[Finding]:
+    def sampled(self, step: int, record: StepRecord, graph: Graph | None = None) -> list[Finding]:
         """Findings from the statistics of one sampled step."""
+        graph = graph or Graph(frozenset(), frozenset())
         found = self._units(step, record.act)
-        found += self._gradients(step, record.grad, record.grad_order)
-        found += self._updates(step, record.param)
+        found += self._gradients(step, record, graph)
+        found += self._updates(step, record.param, graph)
         return found
 
     def _units(self, step: int, act: dict[str, dict[str, float]]) -> list[Finding]:
@@ -136,59 +198,176 @@ class Diagnosis:
                 )
         return found
 
-    def _gradients(self, step: int, grad: dict, order: list[str]) -> list[Finding]:
-        rms = [(name, grad[name]["rms"]) for name in order if name in grad]
-        rms = [(n, r) for n, r in rms if math.isfinite(r)]
-        if len(rms) < 2 or rms[0][1] <= 0:
-            return []
-        (near_loss, top), (near_input, bottom) = rms[0], rms[-1]
-        ratio = bottom / top
-        gains = [
-            (rms[k + 1][1] / r if r > 0 else math.inf, rms[k][0])
-            for k, (_, r) in enumerate(rms[:-1])
-        ]
-        evidence = (
-            f"RMS gradient {bottom:.3g} at {near_input!r} (input side) vs {top:.3g} at "
-            f"{near_loss!r} (loss side), ratio {ratio:.3g}, at step {step}"
-        )
-        if ratio > self.t.explode_ratio:
-            gain, culprit = max(gains)
+    # -- gradients -------------------------------------------------------------------------
+    def _relative(self, param: dict[str, dict[str, float]], graph: Graph) -> dict[str, float]:
+        """``grad_norm / norm`` of every weight matrix or kernel that is not tiny, and not
+        scale-invariant (a weight whose output a normalisation layer rescales gets a
+        gradient that grows as its own norm shrinks: its ratio says nothing)."""
+        normalised = {p for p, c in graph.edges if _is_norm(self.types.get(c, ""))}
+        out = {}
+        for name, s in param.items():
+            if _module_of(name) in normalised:
+                continue
+            numel, norm, grad = self.numel.get(name), s.get("norm"), s.get("grad_norm")
+            if numel is None or norm is None or grad is None or not math.isfinite(grad):
+                continue
+            if len(self.shapes[name]) < 2 or norm / math.sqrt(numel) < self.t.tiny_rms:
+                continue
+            out[name] = grad / norm
+        return out
+
+    def _gradients(self, step: int, record: StepRecord, graph: Graph) -> list[Finding]:
+        rel = self._relative(record.param, graph)
+        self._graph = graph
+        found = self._exploding(step, record, graph, rel)
+        if not found:
+            found = self._vanishing(step, record, graph, rel)
+        return found
+
+    def _exploding(
+        self, step: int, record: StepRecord, graph: Graph, rel: dict[str, float]
+    ) -> list[Finding]:
+        t = self.t
+        grads = math.sqrt(sum(record.param[p]["grad_norm"] ** 2 for p in rel))
+        weights = math.sqrt(sum(record.param[p]["norm"] ** 2 for p in rel))
+        overall = grads / weights if weights > 0 else 0.0
+        if overall > t.explode_relative:
+            top_param = max(rel, key=rel.__getitem__)
+            module = _module_of(top_param)
+            jump = _extreme_edge(graph, self._rms(record), largest=True)
+            if jump is not None and jump[0] >= 4:  # one layer's backward amplifies it
+                module = jump[2]
+            s = record.param[top_param]
             return [
                 Finding(
                     "exploding_gradient",
-                    culprit,
+                    module,
                     step,
-                    ratio,
-                    f"{evidence}; the largest jump (x{gain:.3g}) happens in the backward of "
-                    f"{culprit!r}. Lower the learning rate, clip gradients, or check its scale",
+                    overall,
+                    f"the weights' gradients have norm {grads:.3g} against a weight norm of "
+                    f"{weights:.3g} (x{overall:.3g}; healthy networks stay below about 20) at "
+                    f"step {step}: one SGD step at lr 1e-2 would change them by "
+                    f"{overall:.0%}. The largest is {top_param!r} (gradient "
+                    f"{s['grad_norm']:.3g}, weight {s['norm']:.3g}). Check the initialization "
+                    f"scale of {module!r} and the loss scale, lower the learning rate or "
+                    "clip gradients",
                 )
             ]
-        if ratio < self.t.vanish_ratio and bottom < self.t.vanish_rms:
-            gain, culprit = min(gains)
+        worst = overall
+        growth = self._growth(record, rel)
+        if growth is not None:
+            return [growth]
+        rms = {n: g["rms"] for n, g in record.grad.items() if math.isfinite(g["rms"])}
+        jump = _extreme_edge(graph, rms, largest=True)
+        ratio, bottom, top = _side_ratio(graph, rms)
+        if ratio > t.explode_ratio and worst > t.explode_relative / 100 and jump is not None:
+            gain, producer, consumer = jump
             return [
                 Finding(
-                    "vanishing_gradient",
-                    culprit,
+                    "exploding_gradient",
+                    consumer,
                     step,
                     ratio,
-                    f"{evidence}; the largest drop (x{gain:.3g}) happens in the backward of "
-                    f"{culprit!r}. Check saturating activations, initialization, or add "
-                    "normalization/residual connections",
+                    f"RMS gradient {rms[bottom]:.3g} at {bottom!r} (input side) vs "
+                    f"{rms[top]:.3g} at {top!r} (loss side), ratio {ratio:.3g}, and weights "
+                    f"whose gradient is x{worst:.3g} their norm, at step {step}; the largest "
+                    f"jump (x{gain:.3g}) happens in the backward of {consumer!r} (from its "
+                    f"output to that of {producer!r}, which feeds it). Lower the learning "
+                    "rate, clip gradients, or check its scale",
                 )
             ]
         return []
 
-    def _updates(self, step: int, param: dict[str, dict[str, float]]) -> list[Finding]:
+    @staticmethod
+    def _rms(record: StepRecord) -> dict[str, float]:
+        return {n: g["rms"] for n, g in record.grad.items() if math.isfinite(g["rms"])}
+
+    def _growth(self, record: StepRecord, rel: dict[str, float]) -> Finding | None:
+        norms = [s["grad_norm"] for s in record.param.values() if s.get("grad_norm") is not None]
+        loss = record.scalars.get("loss")
+        if not norms or loss is None or not all(map(math.isfinite, [*norms, loss])):
+            return None
+        total = math.sqrt(sum(n * n for n in norms))
+        if self._first is None:
+            self._first = (total, abs(loss))
+            return None
+        g0, l0 = self._first
+        grew = total / max(g0, 1e-30)
+        if grew < self.t.explode_growth or abs(loss) < self.t.explode_growth * max(l0, 1e-30):
+            return None
+        top = max(rel, key=rel.get, default=None)
+        module = _module_of(top) if top else ""
+        jump = _extreme_edge(self._graph, self._rms(record), largest=True)
+        if jump is not None and jump[0] >= 4:  # one layer's backward amplifies it
+            module = jump[2]
+        return Finding(
+            "exploding_gradient",
+            module,
+            record.step,
+            grew,
+            f"the total gradient norm grew x{grew:.3g} (from {g0:.3g} to {total:.3g}) and the "
+            f"loss x{abs(loss) / max(l0, 1e-30):.3g} since the first sampled step: training "
+            f"diverges; the largest gradient relative to its weight is in {module!r}. Lower "
+            "the learning rate or clip gradients",
+        )
+
+    def _vanishing(
+        self, step: int, record: StepRecord, graph: Graph, rel: dict[str, float]
+    ) -> list[Finding]:
+        t = self.t
+        rms = {n: g["rms"] for n, g in record.grad.items() if math.isfinite(g["rms"])}
+        ratio, bottom, top = _side_ratio(graph, rms)
+        if not (ratio < t.vanish_ratio and rms.get(bottom, 1.0) < t.vanish_rms):
+            return []
+        starved = _near(graph, bottom, set(rms))
+        learning = [rel[p] for p in rel if _module_of(p) in starved]
+        if not learning or max(learning) >= t.vanish_relative:
+            return []
+        chain = _chain(graph, rms, bottom, top)
+        drops = ", ".join(f"x{g:.2g} in {c!r}" for g, c in chain[:3])
+        return [
+            Finding(
+                "vanishing_gradient",
+                bottom,
+                step,
+                ratio,
+                f"RMS gradient {rms[bottom]:.3g} at {bottom!r} (input side) vs {rms[top]:.3g} "
+                f"at {top!r} (loss side), ratio {ratio:.3g}, and the weights near the input "
+                f"get gradients of at most {max(learning):.2g} of their norm, at step {step}: "
+                f"they have stopped learning. Largest drops: {drops}. Check saturating "
+                "activations and the initialization, or add normalization/residual "
+                "connections",
+            )
+        ]
+
+    # -- updates ---------------------------------------------------------------------------
+    def _updates(
+        self, step: int, param: dict[str, dict[str, float]], graph: Graph
+    ) -> list[Finding]:
         found = []
         for name, s in param.items():
+            if "grad_norm" in s and s["grad_norm"] is None:
+                # Only where the module's output went on, detached: a parameter left unused
+                # by design (a pooler, a mask token, an unused head) is no bug.
+                if _module_of(name) in graph.detached:
+                    found += self._no_gradient(step, name)
+                continue
+            self._no_grad.pop(name, None)
             ratio = s.get("update_ratio")
             if ratio is None:
                 continue
-            out = not (self.t.update_low <= ratio <= self.t.update_high)
+            numel, norm = self.numel.get(name), s.get("norm", 0.0)
+            rms = norm / math.sqrt(numel) if numel else math.inf
+            self._initial.setdefault(name, rms)
+            # Started at zero or deliberately tiny: its ratio is ~1/(t+1) at any lr.
+            tiny = min(rms, self._initial[name]) < self.t.tiny_rms
+            no_grad = s.get("grad_norm") == 0.0
+            high, low = ratio > self.t.update_high, ratio < self.t.update_low
+            out = (high and not tiny) or (low and not no_grad)
             self._streak[name] = self._streak.get(name, 0) + 1 if out else 0
             if self._streak[name] >= self.t.update_patience:
-                module = name.rsplit(".", 1)[0] if "." in name else ""
-                side = "large" if ratio > self.t.update_high else "small"
+                module = _module_of(name)
+                side = "large" if high else "small"
                 found.append(
                     Finding(
                         "update_ratio",
@@ -198,7 +377,140 @@ class Diagnosis:
                         f"update/weight ratio ||ΔW||/||W|| of {name!r} is {ratio:.3g} for "
                         f"{self._streak[name]} sampled steps in a row (healthy: about "
                         f"1e-3, allowed [{self.t.update_low:g}, {self.t.update_high:g}]): "
-                        f"updates are too {side}; adjust the learning rate",
+                        f"updates are too {side}; "
+                        + ("lower" if high else "raise")
+                        + " the learning rate",
                     )
                 )
         return found
+
+    def overflow(self, nonfinite: Finding) -> Finding | None:
+        """An Inf made from finite values in the backward pass is an exploding gradient first
+        (an overflow), and a non-finite value as its consequence."""
+        if (
+            nonfinite.phase != "backward"
+            or nonfinite.op is None
+            or "made Inf" not in nonfinite.message
+        ):
+            return None
+        if nonfinite.op in _SINGULAR_OPS:
+            return None
+        return Finding(
+            "exploding_gradient",
+            nonfinite.module,
+            nonfinite.step,
+            math.inf,
+            f"the gradient overflowed to Inf in the backward of {nonfinite.op} in "
+            f"{nonfinite.module!r} at step {nonfinite.step}, from finite values: it grew "
+            "past the largest float (through time, in a recurrent layer). Clip gradients, "
+            "lower the learning rate, or check the recurrent weights' scale",
+            phase="backward",
+            op=nonfinite.op,
+            source=nonfinite.source,
+        )
+
+    def _no_gradient(self, step: int, name: str) -> list[Finding]:
+        self._no_grad[name] = self._no_grad.get(name, 0) + 1
+        if self._no_grad[name] < self.t.update_patience:
+            return []
+        return [
+            Finding(
+                "update_ratio",
+                _module_of(name),
+                step,
+                0.0,
+                f"{name!r} receives no gradient: its output reaches the next module detached "
+                f"from autograd, and its .grad was None on {self._no_grad[name]} sampled "
+                "steps in a row, so its optimizer never changes it. Remove the .detach() (or "
+                "the torch.no_grad() block) after it, or freeze it on purpose with "
+                "requires_grad=False",
+            )
+        ]
+
+
+# Ops whose gradient is infinite at a point (a singularity), not because values grew.
+_SINGULAR_OPS = frozenset(
+    {
+        "aten.sqrt",
+        "aten.rsqrt",
+        "aten.log",
+        "aten.log2",
+        "aten.log10",
+        "aten.log1p",
+        "aten.div",
+        "aten.reciprocal",
+        "aten.pow",
+        "aten.acos",
+        "aten.asin",
+        "aten.atanh",
+        "aten.norm",
+        "aten.linalg_vector_norm",
+    }
+)
+
+
+def _is_norm(type_name: str) -> bool:
+    return "Norm" in type_name  # BatchNorm2d, LayerNorm, GroupNorm, RMSNorm, LlamaRMSNorm...
+
+
+def _module_of(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else ""
+
+
+def _side_ratio(graph: Graph, rms: dict[str, float]) -> tuple[float, str, str]:
+    """RMS gradient of the input side over the loss side: ``(ratio, input module, loss
+    module)``, each side's best-fed module (attention's query and key projections get
+    small gradients in healthy transformers: one starved branch is not the input side)."""
+    have = {n for n, r in rms.items() if r >= 0}
+    inputs, losses = graph.inputs_side(have), graph.loss_side(have)
+    losses = [n for n in losses if rms[n] > 0]
+    if not inputs or not losses or not graph.edges:
+        return 1.0, "", ""
+    bottom = max(inputs, key=rms.__getitem__)
+    top = max(losses, key=rms.__getitem__)
+    if bottom == top:
+        return 1.0, bottom, top
+    return rms[bottom] / rms[top], bottom, top
+
+
+def _extreme_edge(
+    graph: Graph, rms: dict[str, float], *, largest: bool
+) -> tuple[float, str, str] | None:
+    """``(gain, producer, consumer)``: the edge whose consumer's backward scales the gradient
+    most (``largest``) or least."""
+    gains = [
+        (rms[p] / rms[c], p, c)
+        for p, c in graph.edges
+        if p != c and rms.get(p, 0) > 0 and rms.get(c, 0) > 0
+    ]
+    if not gains:
+        return None
+    return max(gains) if largest else min(gains)
+
+
+def _near(graph: Graph, start: str, have: set[str], hops: int = 2) -> set[str]:
+    """``start`` and the modules up to ``hops`` edges downstream of it."""
+    near, frontier = {start}, {start}
+    for _ in range(hops):
+        frontier = {c for p, c in graph.edges if p in frontier and c in have} - near
+        near |= frontier
+    return near
+
+
+def _chain(graph: Graph, rms: dict[str, float], bottom: str, top: str) -> list[tuple[float, str]]:
+    """Drops ``(gain, consumer)`` along the path from the loss side down to ``bottom``,
+    smallest first."""
+    consumers: dict[str, list[str]] = {}
+    for p, c in graph.edges:
+        consumers.setdefault(p, []).append(c)
+    path, seen, node = [], {bottom}, bottom
+    while node != top:
+        nxt = [c for c in consumers.get(node, []) if c not in seen and c in rms]
+        if not nxt:
+            break
+        nxt_node = max(nxt, key=rms.__getitem__)
+        if rms[nxt_node] > 0:
+            path.append((rms[node] / rms[nxt_node], nxt_node))
+        seen.add(nxt_node)
+        node = nxt_node
+    return sorted(path)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._diagnose import Diagnosis, Finding, Thresholds
+from .._diagnose import Diagnosis, Finding, Graph, Thresholds
 from .._errors import NonFiniteError, did_you_mean
 from .._hooks import HookSet, check_not_compiled, in_backward_recompute
 from .._log import LOG_NAME, Event, Header, StepRecord
@@ -136,18 +136,24 @@ class Monitor:
         self.findings: list[Finding] = []
         self.step_count = 0
         self._model = model
-        self._diagnosis = Diagnosis(self.thresholds)
+        self.graph = Graph(
+            frozenset(), frozenset()
+        )  # which watched module fed which, last sampled step
         self._buf = StepBuffer()
         self._trail = NonFiniteTrail()
         self._acts = Activations(
             self.modules,
             sampler,
             dead_at=self.thresholds.dead_unit,
+            dead_min=(self.thresholds.dead_min_units, self.thresholds.dead_min_samples),
             bins=bins if histograms else None,
         )
         self._grads = OutputGrads(sampler)
         self._params = Params(model, sampler)
         self._bns = BatchNorms(model)
+        shapes = {n: list(p.shape) for n, p in self._params.params.items()}
+        types = {n: type(m).__name__ for n, m in model.named_modules()}
+        self._diagnosis = Diagnosis(self.thresholds, shapes, types)
         self._no_grad_names: set[str] = set()
         self._updates = self._skipped = 0
         self._nonfinite: Finding | None = None  # this step's, once found
@@ -220,11 +226,15 @@ class Monitor:
             return
         if not outs:
             return
-        self._trail.forward(self._buf, name, tensors(args), outs)
+        outs = self._trail.forward(self._buf, name, tensors(args), outs)
+        if not outs:  # it returned its input: an alias of the module that made it
+            return
         if torch.is_grad_enabled():
             self._hook_grads(name, outs)
         else:
             self._no_grad_names.add(name)
+            if self._tape.grad_enabled:  # no_grad inside the model's own forward
+                self._trail.detached.add(name)
         if self.sampled and module.training:
             self._acts.forward(self._buf, name, outs)
 
@@ -240,7 +250,8 @@ class Monitor:
 
     def _read_grads(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
         if self.sampled:
-            self._params.read_grads(self._buf, names)
+            self._params.read_grads(self._buf, names, stepped=True)
+        self._trail.parameters(self._buf, self._params.params, names)
 
     def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
         """The non-finite check, before the optimizer changes anything. True: skip it."""
@@ -248,7 +259,7 @@ class Monitor:
             host = self._buf.to_host()
             self._nonfinite = self._traced(self._trail.localise(host, self.step_count))
             if self._nonfinite is not None:
-                self._report([self._nonfinite], before_update=True)
+                self._report(self._with_overflow(self._nonfinite), before_update=True)
                 if self.on_nonfinite == "raise":
                     raise self._error(self._nonfinite)
         if self._nonfinite is None or self.on_nonfinite != "skip":
@@ -299,9 +310,14 @@ class Monitor:
         if self._nonfinite is None:
             self._nonfinite = self._traced(self._trail.localise(host, step))
             if self._nonfinite is not None:
-                found.append(self._nonfinite)
+                found += self._with_overflow(self._nonfinite)
         if sampled:
-            found += self._diagnosis.sampled(step, record)
+            self.graph = Graph(
+                frozenset(self._trail.edges),
+                frozenset(self._trail.sources),
+                frozenset(self._trail.detached),
+            )
+            found += self._diagnosis.sampled(step, record, self.graph)
         self._write(record.to_dict())
         new = self._report(found, before_update=self._updates == 0)
         if self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:
@@ -345,6 +361,10 @@ class Monitor:
             )
             + f", at step {finding.step}. Cheap check: {finding.message}",
         )
+
+    def _with_overflow(self, nonfinite: Finding) -> list[Finding]:
+        overflow = self._diagnosis.overflow(nonfinite)
+        return [nonfinite] if overflow is None else [overflow, nonfinite]
 
     def _report(self, found: list[Finding], *, before_update: bool) -> list[Finding]:
         """Keep and log the findings not seen before, record the first of each chosen kind;

@@ -26,6 +26,7 @@ class Flag:
     phase: str
     module: str
     inputs: tuple[int, ...] = ()
+    param: str | None = None  # for "param" flags: the parameter whose gradient it is
 
 
 class NonFiniteTrail:
@@ -33,31 +34,69 @@ class NonFiniteTrail:
 
     def __init__(self) -> None:
         self.flags: list[Flag] = []
-        self._made_by: dict[int, int] = {}  # id(output tensor) -> its flag
+        # id(tensor) -> (its flag, its version then): who made each tensor seen this step
+        self._made_by: dict[int, tuple[int, int]] = {}
+        self.edges: set[tuple[str, str]] = set()  # (producer, consumer) modules
+        self.sources: set[str] = set()  # modules fed by tensors no watched module made
+        self.detached: set[str] = set()  # producers whose output a consumer got detached
+        self._storage: dict[int, str] = {}  # data_ptr of each output -> module that made it
 
     def reset(self) -> None:
         self.flags.clear()
         self._made_by.clear()
+        self.edges = set()
+        self.sources = set()
+        self.detached = set()
+        self._storage.clear()
 
     def forward(
         self, buf: StepBuffer, name: str, inputs: list[torch.Tensor], outs: list[torch.Tensor]
-    ) -> None:
+    ) -> list[torch.Tensor]:
+        """Flag the output of ``name``; return its outputs that are new tensors (an output
+        that is one of its inputs, unchanged, is an alias: one point, not two)."""
         fed = []
         for t in inputs:
             known = self._made_by.get(id(t))
             if known is None and t.is_floating_point():
-                known = self._add(buf, Flag("input", name), t.detach().sum())
-                self._made_by[id(t)] = known
+                index = self._add(buf, Flag("input", name), t.detach().sum())
+                known = self._made_by[id(t)] = (index, t._version)
+                self.sources.add(name)
+                maker = self._storage.get(t.data_ptr()) if not t.requires_grad else None
+                if maker is not None:  # another module's output, cut from autograd
+                    self.detached.add(maker)
             if known is not None:
-                fed.append(known)
-        sums = [t.detach().sum() for t in outs]
+                fed.append(known[0])
+                producer = self.flags[known[0]]
+                if producer.phase == "forward":
+                    self.edges.add((producer.module, name))
+        passed = {id(t): v for t in inputs if (v := self._made_by.get(id(t))) is not None}
+        new = [t for t in outs if passed.get(id(t), (None, None))[1] != t._version]
+        if not new:
+            return []
+        sums = [t.detach().sum() for t in new]
         total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
         index = self._add(buf, Flag("forward", name, tuple(fed)), total)
-        for t in outs:
-            self._made_by[id(t)] = index
+        for t in new:
+            self._made_by[id(t)] = (index, t._version)
+            if t.requires_grad:
+                self._storage[t.data_ptr()] = name
+        return new
 
     def backward(self, buf: StepBuffer, name: str, grad: torch.Tensor) -> None:
         self._add(buf, Flag("backward", name), grad.detach().sum())
+
+    def parameters(self, buf: StepBuffer, params: dict, names: list[str]) -> None:
+        """Flag the gradients an optimizer is about to apply (one fused kernel): a NaN/Inf
+        can arise in a weight's gradient alone (an overflowing recurrent matmul)."""
+        names = [n for n in names if params[n].grad is not None]
+        by_device: dict[tuple, list[str]] = {}
+        for n in names:
+            g = params[n].grad
+            by_device.setdefault((g.device, g.dtype), []).append(n)
+        for group in by_device.values():
+            sums = torch._foreach_norm([params[n].grad for n in group], 1)
+            for n, value in zip(group, sums, strict=True):
+                self._add(buf, Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n), value)
 
     def _add(self, buf: StepBuffer, flag: Flag, value: torch.Tensor) -> int:
         self.flags.append(flag)
@@ -117,6 +156,17 @@ class NonFiniteTrail:
                 f"backward: {culprit!r} turned a finite gradient into NaN/Inf (the gradient "
                 f"of {name!r} became non-finite) at step {step}",
             )
+        for i, flag in enumerate(self.flags):
+            if bad[i] and flag.phase == "param":
+                return _finding(
+                    flag.module,
+                    step,
+                    value(i),
+                    "backward",
+                    f"backward: the gradient of {flag.param!r} is NaN/Inf (L1 norm "
+                    f"{value(i)}) while every module's output gradient was finite, at step "
+                    f"{step}: it arose computing the weight's own gradient (an overflow?)",
+                )
         # Only module inputs (never a module's output) were bad: the data itself.
         first = next(i for i, b in enumerate(bad) if b)
         name = self.flags[first].module

@@ -29,10 +29,12 @@ class Activations:
         sampler: Sampler,
         *,
         dead_at: float,
+        dead_min: tuple[int, int] = (1, 1),
         bins: int | None,
     ) -> None:
         self.plans: dict[str, Plan] = {name: plan_for(m) for name, m in modules.items()}
         self.sampler, self.dead_at, self.bins = sampler, dead_at, bins
+        self.min_units, self.min_samples = dead_min
 
     def forward(self, buf: StepBuffer, name: str, outs: list[torch.Tensor]) -> None:
         plan = self.plans[name]
@@ -45,7 +47,8 @@ class Activations:
             buf.add(("act_numel", name), torch.tensor(float(t.numel())))
             if plan.dead and t.dim() >= 2:
                 units = self.sampler.units(t.detach())
-                buf.add(("act_dead", name), dead_fraction(units, self.dead_at), "max")
+                if units.shape[1] >= self.min_units and units.shape[0] >= self.min_samples:
+                    buf.add(("act_dead", name), dead_fraction(units, self.dead_at), "max")
         if self.bins and outs:
             buf.set(("act_hist", name), histogram(self.sampler(outs[0].detach()), self.bins))
 
@@ -141,7 +144,14 @@ class Params:
             if id(p) in self._name
         ]
 
-    def read_grads(self, buf: StepBuffer, names: Iterable[str]) -> None:
+    def read_grads(self, buf: StepBuffer, names: Iterable[str], *, stepped: bool = False) -> None:
+        """Gradient norms; with ``stepped`` (an optimizer steps these), a parameter without
+        a gradient is noted as such."""
+        names = list(names)
+        if stepped:
+            for name in names:
+                if self.params[name].grad is None:
+                    buf.set(("param", name, "no_grad"), torch.ones(()))
         names = [n for n in names if self.params[n].grad is not None]
         grads = [self.params[n].grad for n in names]
         for name, norm in zip(names, _norms(grads), strict=True):
@@ -178,11 +188,13 @@ class Params:
 
     def read(self, host: Host, record: StepRecord) -> None:
         for name in self.params:
-            stats = {
+            stats: dict[str, float | None] = {
                 stat: math.sqrt(host[key][0])
                 for stat in ("norm", "grad_norm")
                 if (key := ("param", name, stat)) in host
             }
+            if ("param", name, "no_grad") in host:
+                stats["grad_norm"] = None
             delta = host.get(("param", name, "delta"))
             if delta is not None:
                 before = host[("param", name, "before")][0]

@@ -67,6 +67,7 @@ class Tape:
         self.calls: list[Call] = []
         self.paused = False
         self.complete = True
+        self.grad_enabled: bool | None = None  # autograd's mode when the root was called
         self._depth = 0
         hooks.forward_pre(root, self._before, prepend=True)
         hooks.forward(root, self._after, always_call=True)
@@ -75,6 +76,7 @@ class Tape:
         self._depth += 1
         if self.paused or self._depth > 1 or in_backward_recompute():
             return
+        self.grad_enabled = torch.is_grad_enabled()
         if len(self.calls) >= self.MAX_CALLS:
             self.complete = False
             return
@@ -82,6 +84,8 @@ class Tape:
 
     def _after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         self._depth -= 1
+        if self._depth == 0:
+            self.grad_enabled = None
         if self.paused or self._depth > 0 or in_backward_recompute() or not self.calls:
             return None
         call = self.calls[-1]
