@@ -1,11 +1,31 @@
-"""Training-step cost of hs.Monitor against the bare step, side by side in one process.
+"""Training-step cost of hs.Monitor and its alternatives against the bare step, in one process.
 
-Paired, interleaved timing (research/env-and-baselines.md): each condition runs N pairs of
-(bare step, monitored step), alternating which goes first. Sampling conditions (every=10)
-only pay on one step in ten, so the ratio reported is the ratio of the *summed* times over
-all pairs (the mean cost per step); the median of per-pair ratios is shown beside it.
+Method (research/env-and-baselines.md): paired, interleaved timing. Every condition gets its
+own deep copy of the model and a second deep copy that never has hooks (the *bare* copy).
+After a few warm-up pairs, N pairs of (bare step, watched step) run back to back, alternating
+which goes first. A sampling condition (``every=10``) pays on one step in ten, so the ratio
+reported is the ratio of the *summed* step times (the mean cost per step); the median of the
+per-pair ratios is shown in brackets. A training step is zero_grad, forward, backward,
+optimizer step, ``loss.item()``; the watched step does the same plus what its condition adds.
 
-    python benchmarks/bench_monitor.py [--quick] [--only gpt2|cnn]
+Conditions: no-op forward hooks on every leaf module; the hand-written six-statistic hook
+(mean, std, min, max, zero fraction and norm of every leaf output, one ``.item()`` each, every
+step); ``wandb.watch(model, log="all", log_freq=1)`` offline with ``wandb.log`` each step;
+``torch.autograd.detect_anomaly(check_nan=True)`` around forward and backward;
+``hs.Monitor`` with ``every=None`` (non-finite checks only), ``every=10``, ``every=1`` and
+``every=1, sample=None`` (exact statistics). The Monitor is given no optimizer; the script
+calls ``mon.step(loss=loss)`` after the optimizer step.
+
+Models: GPT-2 (4 layers x 256, random weights, dropout 0, 8x128 tokens, SGD) and a 3-block CNN
+((conv3x3-BN-ReLU(inplace)) x2 + MaxPool2d(2) per block, 3->32->64->128 channels, linear head,
+16x3x64x64 inputs, SGD with momentum). Peak memory: one subprocess per condition trains an
+8 x Linear(2048, 2048) MLP for 20 steps and reports its peak RSS (VmHWM); three processes per
+condition, the median is reported (one with ``--quick``).
+
+    python benchmarks/bench_monitor.py [--quick] [--only gpt2|cnn|mem] [--pairs N]
+
+wandb is a benchmark-only dependency (``pip install -c constraints.txt wandb``); without it
+that row is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -13,19 +33,43 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
+import json
+import os
+import platform
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import traceback
+import warnings
 from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ["WANDB_MODE"] = "offline"  # never reach the network
+os.environ["WANDB_SILENT"] = "true"
 
 import torch
 from torch import nn
 
 import hookscope as hs
 
+THREADS = 2
+LossOf = Callable[[nn.Module], torch.Tensor]
 
-def gpt2() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+
+# -- models ------------------------------------------------------------------------------------
+
+
+def gpt2() -> tuple[nn.Module, LossOf, Callable[[nn.Module], torch.optim.Optimizer]]:
     from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
 
+    logging.set_verbosity_error()
     config = GPT2Config(
         n_layer=4,
         n_embd=256,
@@ -37,163 +81,405 @@ def gpt2() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        use_cache=False,
+        loss_type="ForCausalLM",
     )
-    ids = torch.randint(0, 5000, (8, 128))
-    return GPT2LMHeadModel(config), lambda m: m(ids, labels=ids).loss
-
-
-class Block(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += x
-        return self.relu(out)
-
-
-def cnn() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-    model = nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(inplace=True),
-        *[Block(32) for _ in range(4)],
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(32, 10),
+    ids = torch.randint(0, config.vocab_size, (8, 128))
+    return (
+        GPT2LMHeadModel(config),
+        lambda m: m(ids, labels=ids).loss,
+        lambda m: torch.optim.SGD(m.parameters(), lr=1e-4),
     )
-    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
-    return model, lambda m: nn.functional.cross_entropy(m(x), y)
 
 
-class NaiveItemHooks:
-    """The hand-written monitor: six stats per module output, each read with .item()."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.handles = [
-            m.register_forward_hook(self.hook)
-            for n, m in model.named_modules()
-            if n and not list(m.children())
+def cnn() -> tuple[nn.Module, LossOf, Callable[[nn.Module], torch.optim.Optimizer]]:
+    def block(c_in: int, c_out: int) -> list[nn.Module]:
+        return [
+            nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c_out),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(c_out, c_out, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c_out),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
         ]
-        self.rows: list[list[float]] = []
 
-    @staticmethod
-    def hook(module: nn.Module, args: object, out: object) -> None:
-        if isinstance(out, tuple):
-            out = out[0]
-        if isinstance(out, torch.Tensor) and out.is_floating_point():
-            t = out.detach()
-            [
-                t.mean().item(),
-                t.std().item(),
-                t.min().item(),
-                t.max().item(),
-                (t == 0).float().mean().item(),
-                (~torch.isfinite(t)).sum().item(),
-            ]
+    model = nn.Sequential(
+        nn.Sequential(*block(3, 32)),
+        nn.Sequential(*block(32, 64)),
+        nn.Sequential(*block(64, 128)),
+        nn.Flatten(),
+        nn.Linear(128 * 8 * 8, 10),
+    )
+    x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+    return (
+        model,
+        lambda m: nn.functional.cross_entropy(m(x), y),
+        lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9),
+    )
 
-    def step(self, **_: object) -> None:
+
+MODELS = {"gpt2": ("GPT-2 4x256, 8x128 tokens", gpt2), "cnn": ("CNN 3 blocks, 16x64x64", cnn)}
+
+
+def leaves(model: nn.Module) -> list[nn.Module]:
+    return [m for n, m in model.named_modules() if n and not list(m.children())]
+
+
+# -- conditions --------------------------------------------------------------------------------
+
+
+class Condition:
+    """What a watched step adds: a context around forward+backward and work after the step."""
+
+    note = ""
+
+    def around(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def after(self, loss: torch.Tensor) -> None:
         pass
+
+    def close(self) -> None:
+        pass
+
+
+class Hooks(Condition):
+    def __init__(self, model: nn.Module, hook: Callable[..., None]) -> None:
+        self.handles = [m.register_forward_hook(hook) for m in leaves(model)]
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
 
 
-class Anomaly:
-    def __init__(self, model: nn.Module) -> None:
-        import warnings
+def noop_hook(module: nn.Module, args: object, out: object) -> None:
+    pass
 
+
+STATS: dict[int, list[float]] = {}
+
+
+def six_stats_hook(module: nn.Module, args: object, out: object) -> None:
+    """The blog-post monitor: six statistics of the output, each read with ``.item()``."""
+    if isinstance(out, tuple):
+        out = out[0]
+    if isinstance(out, torch.Tensor) and out.is_floating_point():
+        t = out.detach()
+        STATS[id(module)] = [
+            t.mean().item(),
+            t.std().item(),
+            t.min().item(),
+            t.max().item(),
+            (t == 0).float().mean().item(),
+            t.norm().item(),
+        ]
+
+
+class Anomaly(Condition):
+    def __init__(self) -> None:
         warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-        self.ctx = torch.autograd.detect_anomaly(check_nan=True)
 
-    def step(self, **_: object) -> None:
-        pass
+    def around(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.autograd.detect_anomaly(check_nan=True)
+
+
+class Wandb(Condition):
+    def __init__(self, model: nn.Module) -> None:
+        import wandb
+
+        self.wandb, self.model = wandb, model
+        self.tmp = tempfile.TemporaryDirectory(prefix="bench-wandb-")
+        for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+            os.environ[var] = self.tmp.name  # leave nothing behind in ~/.cache or ~/.config
+        try:
+            settings = wandb.Settings(console="off", silent=True)
+        except Exception:  # older or newer Settings without these fields
+            settings = None
+        self.run = wandb.init(
+            project="hookscope-bench", dir=self.tmp.name, mode="offline", settings=settings
+        )
+        wandb.watch(model, log="all", log_freq=1)
+
+    def after(self, loss: torch.Tensor) -> None:
+        self.wandb.log({"loss": loss.item()})
 
     def close(self) -> None:
-        pass
+        with contextlib.suppress(Exception):
+            self.wandb.unwatch(self.model)
+        with contextlib.suppress(Exception):
+            self.run.finish()
+        with contextlib.suppress(Exception):
+            self.wandb.teardown()  # stops the wandb-core service process
+        self.tmp.cleanup()
 
 
-def measure(name: str, build, pairs: int) -> list[tuple[str, float, float]]:
-    torch.manual_seed(0)
-    model, loss_of = build()
-    model.train()
-    # The bare step runs on an identical copy: the watched model keeps its hooks (and the
-    # Monitor its step counter) across pairs, and the bare one never has any.
-    plain = copy.deepcopy(model)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-4)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+def make_monitor(model: nn.Module, **kwargs: Any) -> tuple[hs.Monitor, str]:
+    """hs.Monitor(model, **kwargs), falling back where the current Monitor rejects a kwarg."""
+    try:
+        return hs.Monitor(model, **kwargs), ""
+    except (TypeError, ValueError) as e:
+        if kwargs.get("every", 1) is None:
+            fallback = {**kwargs, "every": 10**9}
+            note = f"every=None rejected ({type(e).__name__}), ran every=10**9"
+        elif "sample" in kwargs:
+            fallback = {k: v for k, v in kwargs.items() if k != "sample"}
+            note = f"sample= rejected ({type(e).__name__}), ran without it"
+        else:
+            raise
+    return hs.Monitor(model, **fallback), note
 
-    def bare() -> float:
-        start = time.perf_counter()
-        plain_opt.zero_grad(set_to_none=True)
-        loss = loss_of(plain)
+
+class Monitor(Condition):
+    def __init__(self, model: nn.Module, **kwargs: Any) -> None:
+        self.mon, self.note = make_monitor(model, **kwargs)
+
+    def after(self, loss: torch.Tensor) -> None:
+        self.mon.step(loss=loss)
+
+    def close(self) -> None:
+        self.mon.close()
+
+
+CONDITIONS: dict[str, Callable[[nn.Module], Condition]] = {
+    "no-op forward hook on every leaf module": lambda m: Hooks(m, noop_hook),
+    "hand-written hook, 6 stats, `.item()` each, every leaf, every step": lambda m: Hooks(
+        m, six_stats_hook
+    ),
+    '`wandb.watch(model, log="all", log_freq=1)`, offline, + `wandb.log` each step': Wandb,
+    "`torch.autograd.detect_anomaly(check_nan=True)` around forward+backward": lambda m: Anomaly(),
+    "`hs.Monitor(model, every=None)` (non-finite checks only)": lambda m: Monitor(m, every=None),
+    "`hs.Monitor(model, every=10)`": lambda m: Monitor(m, every=10),
+    "`hs.Monitor(model, every=1)`": lambda m: Monitor(m, every=1),
+    "`hs.Monitor(model, every=1, sample=None)` (exact statistics)": lambda m: Monitor(
+        m, every=1, sample=None
+    ),
+}
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def timed_step(
+    model: nn.Module, opt: torch.optim.Optimizer, loss_of: LossOf, cond: Condition
+) -> float:
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    with cond.around():
+        loss = loss_of(model)
         loss.backward()
-        plain_opt.step()
-        loss.item()
-        return time.perf_counter() - start
+    opt.step()
+    cond.after(loss)
+    loss.item()
+    return time.perf_counter() - start
 
-    conditions = {
-        "Monitor every step": lambda: hs.Monitor(model, every=1, optimizer=opt),
-        "Monitor every 10 steps": lambda: hs.Monitor(model, every=10, optimizer=opt),
-        "Monitor non-finite checks only": lambda: hs.Monitor(model, every=10**9, optimizer=opt),
-        "naive .item() hooks (6 stats, every module)": lambda: NaiveItemHooks(model),
-        "torch.autograd.detect_anomaly": lambda: Anomaly(model),
-    }
-    rows = []
-    for label, make in conditions.items():
-        watcher = make()
-        anomaly = watcher.ctx if isinstance(watcher, Anomaly) else contextlib.nullcontext()
 
-        def watched(watcher=watcher, anomaly=anomaly) -> float:
-            start = time.perf_counter()
-            with anomaly:
-                opt.zero_grad(set_to_none=True)
-                loss = loss_of(model)
-                loss.backward()
-                opt.step()
-                watcher.step(loss=loss)
-                loss.item()
-            return time.perf_counter() - start
+def one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
+    return text if len(text) <= 160 else text[:157] + "..."
 
-        for _ in range(3):  # warm-up; also takes a non-finite-only Monitor past its step 0
-            bare(), watched()
-        times = []
-        for i in range(pairs):
-            pair = (bare(), watched()) if i % 2 == 0 else tuple(reversed((watched(), bare())))
-            times.append(pair)
-        watcher.close()
-        total = sum(w for _, w in times) / sum(b for b, _ in times)
-        median = statistics.median(w / b for b, w in times)
-        rows.append((label, total, median))
-        print(f"{name:5s} {label:45s} {total:5.2f}x (median pair {median:.2f}x)", flush=True)
+
+def paired(
+    base: nn.Module,
+    loss_of: LossOf,
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer],
+    make: Callable[[nn.Module], Condition],
+    pairs: int,
+    warmup: int,
+) -> tuple[str, str]:
+    """One condition on its own copy of the model against a bare copy: (note, result cells)."""
+    bare, model = copy.deepcopy(base), copy.deepcopy(base)
+    bare_opt, opt = make_opt(bare), make_opt(model)
+    bare_cond = Condition()
+    try:
+        cond = make(model)
+    except ImportError as e:
+        return "", f"skipped: not installed ({one_line(e)}) | | "
+    try:
+        times: list[tuple[float, float]] = []
+        for i in range(warmup + pairs):
+            if i % 2 == 0:
+                tb = timed_step(bare, bare_opt, loss_of, bare_cond)
+                tw = timed_step(model, opt, loss_of, cond)
+            else:
+                tw = timed_step(model, opt, loss_of, cond)
+                tb = timed_step(bare, bare_opt, loss_of, bare_cond)
+            if i >= warmup:
+                times.append((tb, tw))
+    finally:
+        with contextlib.suppress(Exception):
+            cond.close()
+    total = sum(tw for _, tw in times) / sum(tb for tb, _ in times)
+    median = statistics.median(tw / tb for tb, tw in times)
+    mean_b = 1e3 * statistics.fmean(tb for tb, _ in times)
+    mean_w = 1e3 * statistics.fmean(tw for _, tw in times)
+    return cond.note, f"{total:.2f}x ({median:.2f}x) | {mean_b:.0f} | {mean_w:.0f}"
+
+
+def measure(key: str, pairs: int, warmup: int) -> list[tuple[str, str]]:
+    """Rows of (condition, result cells) for one model, printed as they come."""
+    label, build = MODELS[key]
+    torch.manual_seed(0)
+    base, loss_of, make_opt = build()
+    base.train()
+    n_params = sum(p.numel() for p in base.parameters()) / 1e6
+    print(f"{label}: {n_params:.2f} M params, {len(leaves(base))} leaf modules", flush=True)
+    rows: list[tuple[str, str]] = []
+    for name, make in CONDITIONS.items():
+        gc.collect()
+        t0 = time.perf_counter()
+        try:
+            note, cell = paired(base, loss_of, make_opt, make, pairs, warmup)
+            rows.append((name + (f" ({note})" if note else ""), cell))
+        except Exception as e:  # one failing condition must not stop the others
+            traceback.print_exc(limit=-3)
+            rows.append((name, f"error: {one_line(e)} | | "))
+        print(f"  {rows[-1][0]}: {rows[-1][1]}   [{time.perf_counter() - t0:.0f} s]", flush=True)
     return rows
+
+
+# -- peak memory -------------------------------------------------------------------------------
+
+MEM_CONDITIONS = {
+    "bare": {},
+    "`hs.Monitor(model, every=1)`": {"every": 1},
+    "`hs.Monitor(model, every=10)`": {"every": 10},
+}
+
+
+def mem_child(which: str) -> None:
+    """Run in a fresh process: 20 training steps of the MLP; print peak RSS as JSON."""
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(2048, 2048), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x, y = torch.randn(64, 2048), torch.randn(64, 2048)
+    kwargs = MEM_CONDITIONS[which]
+    cond: Condition = Monitor(model, **kwargs) if kwargs else Condition()
+    for _ in range(20):
+        timed_step(model, opt, lambda m: nn.functional.mse_loss(m(x), y), cond)
+    cond.close()
+    print(json.dumps({"peak_mb": peak_rss_mb(), "note": getattr(cond, "note", "")}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS: VmHWM, else ``ru_maxrss``.
+
+    On Linux ``getrusage(RUSAGE_SELF).ru_maxrss`` keeps the high-water mark of the process that
+    forked it across ``exec`` (the benchmark parent holds about 900 MB after the timing runs),
+    so a child's own peak is read from ``/proc/self/status`` where it exists.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def mem_run(which: str) -> tuple[float, str]:
+    """Peak RSS (MB) and note of one fresh child process."""
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--mem-child", which],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+        raise RuntimeError(tail[0])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result["peak_mb"], result["note"]
+
+
+def measure_memory(repeats: int) -> list[tuple[str, str]]:
+    """Each condition in ``repeats`` fresh processes, interleaved; the median peak is reported."""
+    print(
+        f"MLP 8 x Linear(2048, 2048) + ReLU, batch 64, SGD, 20 steps, {repeats} processes each",
+        flush=True,
+    )
+    peaks: dict[str, list[float]] = {which: [] for which in MEM_CONDITIONS}
+    notes: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    for _ in range(repeats):
+        for which in MEM_CONDITIONS:
+            if which in errors:
+                continue
+            try:
+                peak, notes[which] = mem_run(which)
+                peaks[which].append(peak)
+            except Exception as e:  # one failing condition must not stop the others
+                errors[which] = one_line(e)
+    rows: list[tuple[str, str]] = []
+    bare = statistics.median(peaks["bare"]) if peaks["bare"] else None
+    for which, runs in peaks.items():
+        if which in errors:
+            rows.append((which, f"error: {errors[which]} | | "))
+        else:
+            peak = statistics.median(runs)
+            spread = f"{min(runs):.0f}-{max(runs):.0f}"
+            extra = f"{peak - bare:+.0f}" if bare else "n/a"
+            ratio = f"{peak / bare:.2f}x" if bare else "n/a"
+            note = f" ({notes[which]})" if notes.get(which) else ""
+            rows.append((which + note, f"{peak:.0f} ({spread}) | {extra} | {ratio}"))
+        print(f"  {rows[-1][0]}: {rows[-1][1]}", flush=True)
+    return rows
+
+
+# -- main --------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="10 pairs instead of 30")
-    parser.add_argument("--only", choices=["gpt2", "cnn"])
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    pairs = 10 if args.quick else 30
-    results = {}
-    for name, build in (("gpt2", gpt2), ("cnn", cnn)):
-        if args.only in (None, name):
-            results[name] = measure(name, build, pairs)
-    print(
-        f"\n{pairs} pairs per condition; ratio of summed step times (median of per-pair ratios)\n"
+    parser.add_argument(
+        "--quick", action="store_true", help="10 pairs instead of 30, one memory run instead of 3"
     )
-    names = list(results)
-    print("| condition | " + " | ".join(f"{n} train step" for n in names) + " |")
-    print("|---|" + "---:|" * len(names))
-    for i, (label, _, _) in enumerate(next(iter(results.values()))):
-        cells = [f"{results[n][i][1]:.2f}x ({results[n][i][2]:.2f}x)" for n in names]
-        print(f"| {label} | " + " | ".join(cells) + " |")
+    parser.add_argument(
+        "--only", choices=["gpt2", "cnn", "mem"], help="one model only, or only the memory part"
+    )
+    parser.add_argument("--pairs", type=int, default=None, help="pairs per condition")
+    parser.add_argument("--mem-child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mem_child:
+        mem_child(args.mem_child)
+        return
+    torch.set_num_threads(THREADS)
+    pairs = args.pairs or (10 if args.quick else 30)
+    warmup = 3
+    start = time.perf_counter()
+    results = {}
+    for key in MODELS:
+        if args.only in (None, key):
+            results[key] = measure(key, pairs, warmup)
+    memory = measure_memory(1 if args.quick else 3) if args.only in (None, "mem") else None
+
+    print()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}, hookscope "
+        f"{getattr(hs, '__version__', '?')} ({os.path.dirname(hs.__file__)}); {pairs} pairs per condition ({warmup} warm-up); "
+        "ratio of summed step times (median of per-pair ratios); ms = mean step time"
+    )
+    for key, rows in results.items():
+        print(f"\n**{MODELS[key][0]}** train step\n")
+        print("| condition | ratio (median) | bare ms | with ms |")
+        print("|---|---:|---:|---:|")
+        for name, cell in rows:
+            print(f"| {name} | {cell} |")
+    if memory is not None:
+        print(
+            "\n**Peak RSS** (VmHWM), MLP 8 x Linear(2048, 2048), batch 64, SGD, 20 steps, "
+            f"{1 if args.quick else 3} fresh process(es) per condition\n"
+        )
+        print("| condition | peak RSS MB, median (range) | extra MB | ratio to bare |")
+        print("|---|---:|---:|---:|")
+        for name, cell in memory:
+            print(f"| {name} | {cell} |")
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,10 @@ __all__ = ["FAULTS", "DemoResult", "DigitsCNN", "load_digits", "run_demo"]
 # fault -> (Finding kind, module it names)
 FAULTS: dict[str, tuple[str, str] | None] = {
     "none": None,
-    "nan": ("nonfinite", "features.3"),
+    "nan": ("nonfinite", "features.4"),
     "dead": ("dead_units", "features.5"),
     "explode": ("exploding_gradient", "classifier.1"),
-    "vanish": ("vanishing_gradient", "classifier.1"),
+    "vanish": ("vanishing_gradient", "features.0"),  # the starved input side
 }
 
 
@@ -96,24 +96,17 @@ def _fault_context(model: nn.Module, fault: str, step: int, nan_step: int) -> An
     from ._intervene import intervene
 
     if fault == "nan" and step == nan_step:
-        return _nan_weight(model.features[3].weight)
+        return intervene(model, {"features.4": _log_input}, at="input")
     if fault in ("explode", "vanish"):
         scale = 1e6 if fault == "explode" else 1e-9
-        return intervene(model, {"classifier.1": lambda g, site: g * scale}, at="grad_input")
+        return intervene(model, {"classifier.1": lambda g, site: g * scale}, at="grad_output")
     return contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _nan_weight(weight: torch.Tensor) -> Any:
-    """One NaN in a conv kernel for one step, as a bad update or overflow would leave it."""
-    with torch.no_grad():
-        old = weight[0, 0, 0, 0].item()
-        weight[0, 0, 0, 0] = math.nan
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            weight[0, 0, 0, 0] = old
+def _log_input(args: tuple[torch.Tensor, ...], site: Any) -> tuple[torch.Tensor, ...]:
+    """A log-compression of the second conv's output, a bug: the log of a negative is NaN."""
+    (x,) = args
+    return (torch.log(x),)
 
 
 def _progress(total: int, enabled: bool) -> Any:

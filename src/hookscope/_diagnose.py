@@ -199,14 +199,16 @@ class Diagnosis:
         return found
 
     # -- gradients -------------------------------------------------------------------------
-    def _relative(self, param: dict[str, dict[str, float]], graph: Graph) -> dict[str, float]:
+    def _relative(
+        self, param: dict[str, dict[str, float]], graph: Graph, *, normalised: bool = False
+    ) -> dict[str, float]:
         """``grad_norm / norm`` of every weight matrix or kernel that is not tiny, and not
         scale-invariant (a weight whose output a normalisation layer rescales gets a
         gradient that grows as its own norm shrinks: its ratio says nothing)."""
-        normalised = {p for p, c in graph.edges if _is_norm(self.types.get(c, ""))}
+        rescaled = {p for p, c in graph.edges if _is_norm(self.types.get(c, ""))}
         out = {}
         for name, s in param.items():
-            if _module_of(name) in normalised:
+            if _module_of(name) in rescaled and not normalised:
                 continue
             numel, norm, grad = self.numel.get(name), s.get("norm"), s.get("grad_norm")
             if numel is None or norm is None or grad is None or not math.isfinite(grad):
@@ -221,39 +223,55 @@ class Diagnosis:
         self._graph = graph
         found = self._exploding(step, record, graph, rel)
         if not found:
-            found = self._vanishing(step, record, graph, rel)
+            everything = self._relative(record.param, graph, normalised=True)
+            found = self._exploding(step, record, graph, everything, factor=100.0)
+        if not found:
+            found = self._vanishing(step, record, graph, everything)
         return found
 
     def _exploding(
-        self, step: int, record: StepRecord, graph: Graph, rel: dict[str, float]
+        self,
+        step: int,
+        record: StepRecord,
+        graph: Graph,
+        rel: dict[str, float],
+        factor: float = 1.0,
     ) -> list[Finding]:
-        t = self.t
+        """Exploding gradients; with ``factor``, judge the weights a normalisation layer
+        rescales too, against a threshold that much higher (healthy MobileNets reach ~3e3
+        there), and only by the scale-free rule."""
         grads = math.sqrt(sum(record.param[p]["grad_norm"] ** 2 for p in rel))
         weights = math.sqrt(sum(record.param[p]["norm"] ** 2 for p in rel))
         overall = grads / weights if weights > 0 else 0.0
-        if overall > t.explode_relative:
-            top_param = max(rel, key=rel.__getitem__)
-            module = _module_of(top_param)
-            jump = _extreme_edge(graph, self._rms(record), largest=True)
-            if jump is not None and jump[0] >= 4:  # one layer's backward amplifies it
-                module = jump[2]
-            s = record.param[top_param]
-            return [
-                Finding(
-                    "exploding_gradient",
-                    module,
-                    step,
-                    overall,
-                    f"the weights' gradients have norm {grads:.3g} against a weight norm of "
-                    f"{weights:.3g} (x{overall:.3g}; healthy networks stay below about 20) at "
-                    f"step {step}: one SGD step at lr 1e-2 would change them by "
-                    f"{overall:.0%}. The largest is {top_param!r} (gradient "
-                    f"{s['grad_norm']:.3g}, weight {s['norm']:.3g}). Check the initialization "
-                    f"scale of {module!r} and the loss scale, lower the learning rate or "
-                    "clip gradients",
-                )
-            ]
-        worst = overall
+        if overall <= self.t.explode_relative * factor:
+            return (
+                [] if factor != 1.0 else self._other_explosions(step, record, graph, rel, overall)
+            )
+        top_param = max(rel, key=rel.__getitem__)
+        module = _module_of(top_param)
+        jump = _extreme_edge(graph, self._rms(record), largest=True)
+        if jump is not None and jump[0] >= 4:  # one layer's backward amplifies it
+            module = jump[2]
+        s = record.param[top_param]
+        return [
+            Finding(
+                "exploding_gradient",
+                module,
+                step,
+                overall,
+                f"the weights' gradients have norm {grads:.3g} against a weight norm of "
+                f"{weights:.3g} (x{overall:.3g}; healthy networks stay below about 20) at "
+                f"step {step}: one SGD step at lr 1e-2 would change them by {overall:.0%}. "
+                f"The largest is {top_param!r} (gradient {s['grad_norm']:.3g}, weight "
+                f"{s['norm']:.3g}). Check the initialization scale of {module!r} and the loss "
+                "scale, lower the learning rate or clip gradients",
+            )
+        ]
+
+    def _other_explosions(
+        self, step: int, record: StepRecord, graph: Graph, rel: dict[str, float], worst: float
+    ) -> list[Finding]:
+        t = self.t
         growth = self._growth(record, rel)
         if growth is not None:
             return [growth]

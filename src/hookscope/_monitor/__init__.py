@@ -155,6 +155,9 @@ class Monitor:
         types = {n: type(m).__name__ for n, m in model.named_modules()}
         self._diagnosis = Diagnosis(self.thresholds, shapes, types)
         self._no_grad_names: set[str] = set()
+        self._made: dict[str, set[int]] = {}  # sampled steps: outputs needing a gradient
+        self._got_grad: set[str] = set()  # modules whose output gradient arrived
+        self._returned: set[int] = set()  # outputs that a container returned
         self._updates = self._skipped = 0
         self._nonfinite: Finding | None = None  # this step's, once found
         self.record_dir = None if record_dir is None else Path(record_dir)
@@ -167,6 +170,9 @@ class Monitor:
             self._tape = Tape(self._hooks, model, keep_outputs=record_dir is not None)
             for name, module in self.modules.items():
                 self._hooks.forward(module, functools.partial(self._on_forward, name))
+            for name, module in model.named_modules():
+                if name not in self.modules:
+                    self._hooks.forward(module, self._on_container)
             self._optim = OptimizerWatch(
                 self._hooks,
                 self._params.owned,
@@ -230,6 +236,8 @@ class Monitor:
         if not outs:  # it returned its input: an alias of the module that made it
             return
         if torch.is_grad_enabled():
+            if self.sampled:
+                self._made[name] = {t.data_ptr() for t in outs if t.requires_grad}
             self._hook_grads(name, outs)
         else:
             self._no_grad_names.add(name)
@@ -238,12 +246,19 @@ class Monitor:
         if self.sampled and module.training:
             self._acts.forward(self._buf, name, outs)
 
+    def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """What a container returns: a watched module's output that no container returns,
+        feeds nothing that one does, and gets no gradient, was detached or thrown away."""
+        if self.sampled and torch.is_grad_enabled() and not self._tape.paused:
+            self._returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)
+
     def _hook_grads(self, name: str, outs: list[torch.Tensor]) -> None:
         for t in outs:
             if t.requires_grad:
                 self._hooks.tensor(t, functools.partial(self._on_grad, name))
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> None:
+        self._got_grad.add(name)
         self._trail.backward(self._buf, name, grad)
         if self.sampled:
             self._grads.backward(self._buf, name, grad)
@@ -315,7 +330,7 @@ class Monitor:
             self.graph = Graph(
                 frozenset(self._trail.edges),
                 frozenset(self._trail.sources),
-                frozenset(self._trail.detached),
+                frozenset(self._trail.detached | self._dead_ends()),
             )
             found += self._diagnosis.sampled(step, record, self.graph)
         self._write(record.to_dict())
@@ -403,6 +418,25 @@ class Monitor:
             rank=finding.rank,
         )
 
+    def _dead_ends(self) -> set[str]:
+        """Modules whose output needed a gradient and got none although backward ran, and
+        that neither a container returned nor fed a module whose output was returned: their
+        result went on detached (or was thrown away)."""
+        if not self._got_grad:
+            return set()
+        live = {n for n, ptrs in self._made.items() if ptrs & self._returned}
+        feeds: dict[str, set[str]] = {}
+        for producer, consumer in self._trail.edges:
+            feeds.setdefault(consumer, set()).add(producer)
+        todo = [n for n in self._made if n in self._got_grad] + list(live)
+        live.update(todo)
+        while todo:  # whatever fed a live module is live
+            for producer in feeds.get(todo.pop(), ()):
+                if producer not in live:
+                    live.add(producer)
+                    todo.append(producer)
+        return {n for n in self._made if n not in live}
+
     def _learning_rates(self) -> dict[str, float]:
         optimizers = self._optim.optimizers
         single = len(optimizers) == 1 and len(optimizers[0].param_groups) == 1
@@ -419,6 +453,7 @@ class Monitor:
         self._grads.reset()
         self._params.reset()
         self._no_grad_names.clear()
+        self._made, self._got_grad, self._returned = {}, set(), set()
         self._updates = self._skipped = 0
         self._nonfinite = None
         self.step_count += 1

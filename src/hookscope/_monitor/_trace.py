@@ -73,6 +73,8 @@ class Tape:
         hooks.forward(root, self._after, always_call=True)
 
     def _before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():  # a compiled graph is replayed eagerly, not taped
+            return
         self._depth += 1
         if self.paused or self._depth > 1 or in_backward_recompute():
             return
@@ -83,6 +85,8 @@ class Tape:
         self.calls.append(Call(args, dict(kwargs), rng_state()))
 
     def _after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
         self._depth -= 1
         if self._depth == 0:
             self.grad_enabled = None
@@ -99,10 +103,11 @@ class Tape:
             return None
         # Hand the caller a fresh alias of each output, whose hook sees only the gradient
         # flowing in from outside the model (not, say, from a loss the model computes itself).
-        index = iter(range(1 << 30))
+        count = [0]
 
         def alias(t: torch.Tensor) -> torch.Tensor:
-            i = next(index)
+            i = count[0]
+            count[0] += 1
             if not (t.requires_grad and t.is_floating_point()):
                 return t
             out = t.view_as(t)

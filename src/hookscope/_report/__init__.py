@@ -84,6 +84,7 @@ def _findings(run: Run) -> str:
             [
                 kind,
                 f.get("module", ""),
+                " ".join(str(f[k]) for k in ("phase", "op", "source") if f.get(k)),
                 f.get("step", ""),
                 f.get("value"),
                 f.get("message", ""),
@@ -91,7 +92,7 @@ def _findings(run: Run) -> str:
             ]
         )
         classes.append(f"kind-{kind}")
-    head = ["Kind", "Module", "Step", "Value", "Evidence", "Hint"]
+    head = ["Kind", "Module", "Where (phase, op, line)", "Step", "Value", "Evidence", "Hint"]
     return section(
         "findings", f"Findings ({len(rows)})", table(head, rows, cls="findings", row_cls=classes)
     )
