@@ -97,6 +97,26 @@ def test_skip_leaves_weights_and_optimizer_state_alone_and_training_goes_on(make
     assert [(f.kind, f.step) for f in mon.findings] == [("nonfinite", 2)]
 
 
+def test_skip_also_undoes_the_failing_forward_on_batchnorm_running_stats() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Risky(), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(32, 8)
+    with hs.Monitor(model, on_nonfinite="skip") as mon:
+        for step in range(3):
+            model[1].eps = -1.0 if step == 1 else 1.0
+            if step == 1:
+                before = copy.deepcopy(model[2].state_dict())
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 1:
+                after = model[2].state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)
+            mon.step()
+    assert all(torch.isfinite(b).all() for b in model[2].buffers())
+
+
 def test_log_lets_the_nan_reach_the_weights_and_says_so_next_step() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

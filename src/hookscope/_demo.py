@@ -3,14 +3,16 @@
 Each ``fault`` injects one pathology into an otherwise healthy run, so that the Monitor's
 finding appears on the layer named in :data:`FAULTS`:
 
-- ``nan``: for one step, one weight of ``features.3`` (the second conv) is NaN, as a bad
-  update or an overflow would leave it; its output is the first to hold NaNs, and the step is
-  skipped, as a guarded training loop does.
+- ``nan``: for one step, a log-compression of the second conv's output (``features.4``'s
+  input) is applied in the demo's own code; the log of a negative is NaN, and the finding
+  names the op (``aten.log``), the module and that line; the step is skipped, as a guarded
+  training loop does.
 - ``dead``: ``features.4`` (the second BatchNorm) gets a shift of -20, so the ReLU after it
   (``features.5``) never fires again.
-- ``explode`` / ``vanish``: the backward of ``classifier.1`` multiplies the gradient it
-  sends to its input by 1e6 / 1e-9 (an intervention at ``grad_input``), so every earlier
-  layer sees an exploding / vanishing gradient, and the jump happens at ``classifier.1``.
+- ``explode`` / ``vanish``: the gradient reaching ``classifier.1``'s output is multiplied by
+  1e6 / 1e-9 (an intervention at ``grad_output``, as a bad loss scale in one branch would),
+  so its weights and every earlier layer see an exploding / vanishing gradient: the jump
+  happens in ``classifier.1``'s backward, and the starved input side is ``features.0``.
 """
 
 from __future__ import annotations
@@ -162,7 +164,8 @@ def _train(
     per_epoch = math.ceil(len(x_train) / batch)
     nan_step = per_epoch // 2
     model_summary = summary(model, x_train[:2])
-    mon = Monitor(model, every=every, log_dir=log_dir, optimizer=opt)
+    # The Monitor finds the optimizer by itself and skips an update that would write a NaN.
+    mon = Monitor(model, every=every, log_dir=log_dir, on_nonfinite="skip")
     bar = _progress(epochs * per_epoch, progress)
     step = 0
     with mon:
@@ -174,16 +177,8 @@ def _train(
                 idx = order[i : i + batch]
                 with _fault_context(model, fault, step, nan_step):
                     loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-                    if torch.isfinite(loss):
-                        loss.backward()
-                        opt.step()
-                    else:
-                        mon.log(
-                            "event",
-                            step=step,
-                            kind="skipped_step",
-                            message=f"loss was {loss.item()}",
-                        )
+                    loss.backward()
+                    opt.step()
                 opt.zero_grad(set_to_none=True)
                 mon.step(loss=loss.detach())
                 step += 1

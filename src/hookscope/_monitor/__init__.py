@@ -165,9 +165,15 @@ class Monitor:
         self._recorded: set[str] = set()
         self._memory = MemorySink()
         self._sinks: list[Sink] = [self._memory, *sinks]
+        self._running: list[tuple[torch.Tensor, torch.Tensor]] = []  # BN stats, for "skip"
         self._hooks = HookSet("Monitor")
         try:
-            self._tape = Tape(self._hooks, model, keep_outputs=record_dir is not None)
+            self._tape = Tape(
+                self._hooks,
+                model,
+                keep_outputs=record_dir is not None,
+                on_first_call=self._save_running_stats if on_nonfinite == "skip" else None,
+            )
             for name, module in self.modules.items():
                 self._hooks.forward(module, functools.partial(self._on_forward, name))
             for name, module in model.named_modules():
@@ -279,6 +285,7 @@ class Monitor:
                     raise self._error(self._nonfinite)
         if self._nonfinite is None or self.on_nonfinite != "skip":
             return False
+        self._restore_running_stats()
         self._write_event(
             "skipped_step",
             f"step {self.step_count}: skipped the update of {type(optimizer).__name__} "
@@ -286,6 +293,21 @@ class Monitor:
         )
         self._skipped += 1
         return True
+
+    def _save_running_stats(self) -> None:
+        """Skipping a step also undoes what its forward did to BatchNorm running statistics
+        (a NaN there would poison every evaluation after)."""
+        self._running = [
+            (b, b.detach().clone())
+            for bn in self._bns.modules.values()
+            for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+            if b is not None
+        ]
+
+    def _restore_running_stats(self) -> None:
+        with torch.no_grad():
+            for b, saved in self._running:
+                b.copy_(saved)
 
     def _before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
         self._updates += 1

@@ -62,8 +62,16 @@ class Tape:
 
     MAX_CALLS = 64  # beyond this many root calls in one step, stop keeping them
 
-    def __init__(self, hooks: HookSet, root: nn.Module, *, keep_outputs: bool = False) -> None:
+    def __init__(
+        self,
+        hooks: HookSet,
+        root: nn.Module,
+        *,
+        keep_outputs: bool = False,
+        on_first_call: Any = None,
+    ) -> None:
         self.keep_outputs = keep_outputs
+        self.on_first_call = on_first_call  # called before the step's first root call
         self.calls: list[Call] = []
         self.paused = False
         self.complete = True
@@ -79,6 +87,8 @@ class Tape:
         if self.paused or self._depth > 1 or in_backward_recompute():
             return
         self.grad_enabled = torch.is_grad_enabled()
+        if not self.calls and self.on_first_call is not None:
+            self.on_first_call()
         if len(self.calls) >= self.MAX_CALLS:
             self.complete = False
             return
