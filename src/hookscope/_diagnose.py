@@ -87,11 +87,12 @@ class Thresholds:
         explode_relative: ``exploding_gradient`` when the weights' gradient norm exceeds
             this multiple of their norm (over weight matrices and kernels, leaving out tiny
             ones and those a normalisation layer rescales): one SGD step at a usual learning
-            rate (1e-2) would then change them tenfold. Scale-free; healthy networks, from
-            tiny test widths to real ones, stay below about 20 (129 architectures measured).
+            rate (1e-2) would then change them by their whole norm. Scale-free; healthy
+            networks, from tiny test widths to real ones, stay below about 20 (129
+            architectures measured).
         explode_ratio: ... or when the RMS gradient on the input side exceeds this multiple
             of that on the loss side (AutoTrainer: 70) while the weights' gradients are at
-            least ``explode_relative / 100`` of their norm (an activation-gradient ratio alone
+            least ``explode_relative / 10`` of their norm (an activation-gradient ratio alone
             also fires on healthy models that normalise a deliberately tiny input, such as
             RWKV's 1e-4 embeddings feeding a LayerNorm).
         explode_growth: ... or when the total gradient norm and the loss both grow by this
@@ -117,7 +118,7 @@ class Thresholds:
     dead_min_units: int = 8
     dead_min_samples: int = 16
     saturated: float = 0.5
-    explode_relative: float = 1000.0
+    explode_relative: float = 100.0
     explode_ratio: float = 70.0
     explode_growth: float = 1e3
     vanish_ratio: float = 1e-3
@@ -278,7 +279,7 @@ class Diagnosis:
         rms = {n: g["rms"] for n, g in record.grad.items() if math.isfinite(g["rms"])}
         jump = _extreme_edge(graph, rms, largest=True)
         ratio, bottom, top = _side_ratio(graph, rms)
-        if ratio > t.explode_ratio and worst > t.explode_relative / 100 and jump is not None:
+        if ratio > t.explode_ratio and worst > t.explode_relative / 10 and jump is not None:
             gain, producer, consumer = jump
             return [
                 Finding(
@@ -437,11 +438,11 @@ class Diagnosis:
                 _module_of(name),
                 step,
                 0.0,
-                f"{name!r} receives no gradient: its output reaches the next module detached "
-                f"from autograd, and its .grad was None on {self._no_grad[name]} sampled "
-                "steps in a row, so its optimizer never changes it. Remove the .detach() (or "
-                "the torch.no_grad() block) after it, or freeze it on purpose with "
-                "requires_grad=False",
+                f"{name!r} receives no gradient: its module ran, but its output reached the loss "
+                "only detached, or not at all (computed and thrown away), and its .grad was None "
+                f"on {self._no_grad[name]} sampled steps in a row, so its optimizer never "
+                "changes it. Remove the .detach() or torch.no_grad() after it, use its output, "
+                "or freeze it on purpose with requires_grad=False",
             )
         ]
 

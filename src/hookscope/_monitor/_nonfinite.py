@@ -8,6 +8,7 @@ first module whose output turned non-finite *from finite inputs* can be named.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,9 @@ class NonFiniteTrail:
     def __init__(self) -> None:
         self.flags: list[Flag] = []
         # id(tensor) -> (its flag, its version then): who made each tensor seen this step
-        self._made_by: dict[int, tuple[int, int]] = {}
+        # (an id is only trusted while the weak reference says it is the same tensor: a freed
+        # tensor's id is reused)
+        self._made_by: dict[int, tuple[int, int, weakref.ref]] = {}
         self.edges: set[tuple[str, str]] = set()  # (producer, consumer) modules
         self.sources: set[str] = set()  # modules fed by tensors no watched module made
         self.detached: set[str] = set()  # producers whose output a consumer got detached
@@ -56,10 +59,10 @@ class NonFiniteTrail:
         that is one of its inputs, unchanged, is an alias: one point, not two)."""
         fed = []
         for t in inputs:
-            known = self._made_by.get(id(t))
+            known = self._known(t)
             if known is None and t.is_floating_point():
                 index = self._add(buf, Flag("input", name), t.detach().sum())
-                known = self._made_by[id(t)] = (index, t._version)
+                known = self._made_by[id(t)] = (index, t._version, weakref.ref(t))
                 self.sources.add(name)
                 maker = self._storage.get(t.data_ptr()) if not t.requires_grad else None
                 if maker is not None:  # another module's output, cut from autograd
@@ -69,7 +72,7 @@ class NonFiniteTrail:
                 producer = self.flags[known[0]]
                 if producer.phase == "forward":
                     self.edges.add((producer.module, name))
-        passed = {id(t): v for t in inputs if (v := self._made_by.get(id(t))) is not None}
+        passed = {id(t): v for t in inputs if (v := self._known(t)) is not None}
         new = [t for t in outs if passed.get(id(t), (None, None))[1] != t._version]
         if not new:
             return []
@@ -77,10 +80,14 @@ class NonFiniteTrail:
         total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
         index = self._add(buf, Flag("forward", name, tuple(fed)), total)
         for t in new:
-            self._made_by[id(t)] = (index, t._version)
+            self._made_by[id(t)] = (index, t._version, weakref.ref(t))
             if t.requires_grad:
                 self._storage[t.data_ptr()] = name
         return new
+
+    def _known(self, t: torch.Tensor) -> tuple[int, int, weakref.ref] | None:
+        entry = self._made_by.get(id(t))
+        return entry if entry is not None and entry[2]() is t else None
 
     def backward(self, buf: StepBuffer, name: str, grad: torch.Tensor) -> None:
         self._add(buf, Flag("backward", name), grad.detach().sum())
