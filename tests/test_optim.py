@@ -149,7 +149,8 @@ def test_a_gans_other_optimizer_is_ignored() -> None:
 
 
 def test_accelerate_wrapped_optimizer() -> None:
-    accelerate = pytest.importorskip("accelerate")
+    import accelerate
+
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     accelerator = accelerate.Accelerator(cpu=True)

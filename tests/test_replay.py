@@ -13,8 +13,6 @@ import torch.nn as nn
 
 import hookscope as hs
 
-pytest.importorskip("safetensors")
-
 HERE = Path(__file__).parent
 
 
