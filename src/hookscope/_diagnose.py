@@ -50,13 +50,12 @@ class Graph:
     """Which watched module's output fed which module's input in the last forward pass.
 
     ``edges`` are ``(producer, consumer)`` pairs; a module that returned its input unchanged
-    (``nn.Identity``, a view) is not a point of its own. ``sources`` are modules fed by
-    tensors no watched module made (the data, or an op in a container's ``forward``).
+    (``nn.Identity``, a view) is not a point of its own. ``detached`` are modules whose
+    output reached the loss only detached from autograd, or not at all.
     """
 
     edges: frozenset[tuple[str, str]]
-    sources: frozenset[str]
-    detached: frozenset[str] = frozenset()  # modules whose output was used detached
+    detached: frozenset[str] = frozenset()
 
     def inputs_side(self, have: set[str]) -> list[str]:
         """Modules in ``have`` that no other module in ``have`` feeds."""
@@ -162,7 +161,7 @@ class Diagnosis:
     # -- sampled steps ---------------------------------------------------------------------
     def sampled(self, step: int, record: StepRecord, graph: Graph | None = None) -> list[Finding]:
         """Findings from the statistics of one sampled step."""
-        graph = graph or Graph(frozenset(), frozenset())
+        graph = graph or Graph(frozenset())
         found = self._units(step, record.act)
         found += self._gradients(step, record, graph)
         found += self._updates(step, record.param, graph)
@@ -250,7 +249,7 @@ class Diagnosis:
             )
         top_param = max(rel, key=rel.__getitem__)
         module = _module_of(top_param)
-        jump = _extreme_edge(graph, self._rms(record), largest=True)
+        jump = _largest_jump(graph, self._rms(record))
         if jump is not None and jump[0] >= 4:  # one layer's backward amplifies it
             module = jump[2]
         s = record.param[top_param]
@@ -277,7 +276,7 @@ class Diagnosis:
         if growth is not None:
             return [growth]
         rms = {n: g["rms"] for n, g in record.grad.items() if math.isfinite(g["rms"])}
-        jump = _extreme_edge(graph, rms, largest=True)
+        jump = _largest_jump(graph, rms)
         ratio, bottom, top = _side_ratio(graph, rms)
         if ratio > t.explode_ratio and worst > t.explode_relative / 10 and jump is not None:
             gain, producer, consumer = jump
@@ -316,7 +315,7 @@ class Diagnosis:
             return None
         top = max(rel, key=rel.get, default=None)
         module = _module_of(top) if top else ""
-        jump = _extreme_edge(self._graph, self._rms(record), largest=True)
+        jump = _largest_jump(self._graph, self._rms(record))
         if jump is not None and jump[0] >= 4:  # one layer's backward amplifies it
             module = jump[2]
         return Finding(
@@ -492,19 +491,15 @@ def _side_ratio(graph: Graph, rms: dict[str, float]) -> tuple[float, str, str]:
     return rms[bottom] / rms[top], bottom, top
 
 
-def _extreme_edge(
-    graph: Graph, rms: dict[str, float], *, largest: bool
-) -> tuple[float, str, str] | None:
+def _largest_jump(graph: Graph, rms: dict[str, float]) -> tuple[float, str, str] | None:
     """``(gain, producer, consumer)``: the edge whose consumer's backward scales the gradient
-    most (``largest``) or least."""
+    up the most."""
     gains = [
         (rms[p] / rms[c], p, c)
         for p, c in graph.edges
         if p != c and rms.get(p, 0) > 0 and rms.get(c, 0) > 0
     ]
-    if not gains:
-        return None
-    return max(gains) if largest else min(gains)
+    return max(gains, default=None)
 
 
 def _near(graph: Graph, start: str, have: set[str], hops: int = 2) -> set[str]:

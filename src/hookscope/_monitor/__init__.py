@@ -136,9 +136,7 @@ class Monitor:
         self.findings: list[Finding] = []
         self.step_count = 0
         self._model = model
-        self.graph = Graph(
-            frozenset(), frozenset()
-        )  # which watched module fed which, last sampled step
+        self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
         self._buf = StepBuffer()
         self._trail = NonFiniteTrail()
         self._acts = Activations(
@@ -350,9 +348,7 @@ class Monitor:
                 found += self._with_overflow(self._nonfinite)
         if sampled:
             self.graph = Graph(
-                frozenset(self._trail.edges),
-                frozenset(self._trail.sources),
-                frozenset(self._trail.detached | self._dead_ends()),
+                frozenset(self._trail.edges), frozenset(self._trail.detached | self._dead_ends())
             )
             found += self._diagnosis.sampled(step, record, self.graph)
         self._write(record.to_dict())

@@ -40,7 +40,6 @@ class NonFiniteTrail:
         # tensor's id is reused)
         self._made_by: dict[int, tuple[int, int, weakref.ref]] = {}
         self.edges: set[tuple[str, str]] = set()  # (producer, consumer) modules
-        self.sources: set[str] = set()  # modules fed by tensors no watched module made
         self.detached: set[str] = set()  # producers whose output a consumer got detached
         self._storage: dict[int, str] = {}  # data_ptr of each output -> module that made it
 
@@ -48,7 +47,6 @@ class NonFiniteTrail:
         self.flags.clear()
         self._made_by.clear()
         self.edges = set()
-        self.sources = set()
         self.detached = set()
         self._storage.clear()
 
@@ -63,7 +61,6 @@ class NonFiniteTrail:
             if known is None and t.is_floating_point():
                 index = self._add(buf, Flag("input", name), t.detach().sum())
                 known = self._made_by[id(t)] = (index, t._version, weakref.ref(t))
-                self.sources.add(name)
                 maker = self._storage.get(t.data_ptr()) if not t.requires_grad else None
                 if maker is not None:  # another module's output, cut from autograd
                     self.detached.add(maker)
