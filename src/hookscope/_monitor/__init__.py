@@ -320,8 +320,9 @@ class Monitor:
     def step(self, **scalars: Any) -> list[Finding]:
         """Close a training step: log the scalars given (``loss=loss``) and the statistics.
 
-        Everything the hooks gathered moves to the host in one transfer. Returns the findings
-        first seen at this step.
+        What the hooks gathered moves to the host in one transfer (with an optimizer, the
+        non-finite flags already moved just before its update; this carries the rest).
+        Returns the findings first seen at this step.
         """
         step, sampled, buf = self.step_count, self.sampled, self._buf
         plain: dict[str, float] = {}
