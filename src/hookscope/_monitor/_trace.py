@@ -60,7 +60,10 @@ class Call:
 class Tape:
     """The current step's root calls, kept by reference (nothing is copied)."""
 
-    MAX_CALLS = 64  # beyond this many root calls in one step, stop keeping them
+    # Beyond this many root calls in one step (micro-batches), later ones are not kept: the
+    # tape holds each call's inputs and output gradients until step() ends, and a replay
+    # that finds nothing in the kept calls leaves the module-level finding as it is.
+    MAX_CALLS = 16
 
     def __init__(
         self,
@@ -74,7 +77,6 @@ class Tape:
         self.on_first_call = on_first_call  # called before the step's first root call
         self.calls: list[Call] = []
         self.paused = False
-        self.complete = True
         self.grad_enabled: bool | None = None  # autograd's mode when the root was called
         self._depth = 0
         hooks.forward_pre(root, self._before, prepend=True)
@@ -90,7 +92,6 @@ class Tape:
         if not self.calls and self.on_first_call is not None:
             self.on_first_call()
         if len(self.calls) >= self.MAX_CALLS:
-            self.complete = False
             return
         self.calls.append(Call(args, dict(kwargs), rng_state()))
 
@@ -138,7 +139,6 @@ class Tape:
 
     def reset(self) -> None:
         self.calls = []
-        self.complete = True
 
 
 def rng_state() -> dict[str, Any]:
