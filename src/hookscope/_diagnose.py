@@ -220,7 +220,6 @@ class Diagnosis:
 
     def _gradients(self, step: int, record: StepRecord, graph: Graph) -> list[Finding]:
         rel = self._relative(record.param, graph)
-        self._graph = graph
         found = self._exploding(step, record, graph, rel)
         if not found:
             everything = self._relative(record.param, graph, normalised=True)
@@ -248,10 +247,7 @@ class Diagnosis:
                 [] if factor != 1.0 else self._other_explosions(step, record, graph, rel, overall)
             )
         top_param = max(rel, key=rel.__getitem__)
-        module = _module_of(top_param)
-        jump = _largest_jump(graph, self._rms(record))
-        if jump is not None and jump[0] >= 4:  # one layer's backward amplifies it
-            module = jump[2]
+        module = self._culprit(record, graph, top_param)
         s = record.param[top_param]
         return [
             Finding(
@@ -272,10 +268,10 @@ class Diagnosis:
         self, step: int, record: StepRecord, graph: Graph, rel: dict[str, float], worst: float
     ) -> list[Finding]:
         t = self.t
-        growth = self._growth(record, rel)
+        growth = self._growth(record, graph, rel)
         if growth is not None:
             return [growth]
-        rms = {n: g["rms"] for n, g in record.grad.items() if math.isfinite(g["rms"])}
+        rms = self._rms(record)
         jump = _largest_jump(graph, rms)
         ratio, bottom, top = _side_ratio(graph, rms)
         if ratio > t.explode_ratio and worst > t.explode_relative / 10 and jump is not None:
@@ -300,7 +296,15 @@ class Diagnosis:
     def _rms(record: StepRecord) -> dict[str, float]:
         return {n: g["rms"] for n, g in record.grad.items() if math.isfinite(g["rms"])}
 
-    def _growth(self, record: StepRecord, rel: dict[str, float]) -> Finding | None:
+    def _culprit(self, record: StepRecord, graph: Graph, top_param: str | None) -> str:
+        """Where a gradient explodes: the module whose backward amplifies it most, when one
+        does; else the module of the weight with the largest gradient for its size."""
+        jump = _largest_jump(graph, self._rms(record))
+        if jump is not None and jump[0] >= 4:
+            return jump[2]
+        return _module_of(top_param) if top_param else ""
+
+    def _growth(self, record: StepRecord, graph: Graph, rel: dict[str, float]) -> Finding | None:
         norms = [s["grad_norm"] for s in record.param.values() if s.get("grad_norm") is not None]
         loss = record.scalars.get("loss")
         if not norms or loss is None or not all(map(math.isfinite, [*norms, loss])):
@@ -313,11 +317,7 @@ class Diagnosis:
         grew = total / max(g0, 1e-30)
         if grew < self.t.explode_growth or abs(loss) < self.t.explode_growth * max(l0, 1e-30):
             return None
-        top = max(rel, key=rel.get, default=None)
-        module = _module_of(top) if top else ""
-        jump = _largest_jump(self._graph, self._rms(record))
-        if jump is not None and jump[0] >= 4:  # one layer's backward amplifies it
-            module = jump[2]
+        module = self._culprit(record, graph, max(rel, key=rel.get, default=None))
         return Finding(
             "exploding_gradient",
             module,
@@ -333,7 +333,7 @@ class Diagnosis:
         self, step: int, record: StepRecord, graph: Graph, rel: dict[str, float]
     ) -> list[Finding]:
         t = self.t
-        rms = {n: g["rms"] for n, g in record.grad.items() if math.isfinite(g["rms"])}
+        rms = self._rms(record)
         ratio, bottom, top = _side_ratio(graph, rms)
         if not (ratio < t.vanish_ratio and rms.get(bottom, 1.0) < t.vanish_rms):
             return []

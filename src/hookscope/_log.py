@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +101,6 @@ class Event:
     kind: str
     message: str
     type: str = "event"
-
-
-def field_names(record_type: type) -> list[str]:
-    """The documented fields of a record type (``type`` included)."""
-    return [f.name for f in fields(record_type)]
 
 
 # -- JSON: non-finite floats are the strings "nan", "inf", "-inf" -----------------------------

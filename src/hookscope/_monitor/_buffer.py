@@ -53,9 +53,6 @@ class StepBuffer:
         """How many values wait for the next transfer."""
         return len(self._values)
 
-    def reduce_of(self, key: Hashable) -> Reduce:
-        return self._reduce[key]
-
     def to_host(self) -> Host:
         """Every value as a list of floats, from one device-to-host transfer.
 
