@@ -208,7 +208,7 @@ def replay(
     recorded = Finding(**meta["finding"])
     origin, outputs = trace(model, calls, suspect=recorded.module, keep_outputs=True)
     matches = _outputs_match(meta["calls"], store, outputs)
-    findings = [] if origin is None else [_from_origin(recorded, origin)]
+    findings = [] if origin is None else [origin.refine(recorded, cheap_check=False)]
     return Replay(findings, matches, recorded, origin)
 
 
@@ -265,18 +265,3 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
-
-
-def _from_origin(recorded: Finding, origin: Origin) -> Finding:
-    where = f" at {origin.source}" if origin.source else ""
-    return Finding(
-        kind="nonfinite",
-        module=origin.module or recorded.module,
-        step=recorded.step,
-        value=recorded.value,
-        message=f"{origin.phase}: {origin.op} made {origin.produced} from finite inputs{where}",
-        phase=origin.phase,
-        op=origin.op,
-        source=origin.source,
-        rank=recorded.rank,
-    )

@@ -10,7 +10,6 @@ optimizers are found through torch's global step hooks (``_optim.py``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -376,25 +375,7 @@ class Monitor:
             origin = trace(self._model, self._tape.calls, suspect=finding.module)
         finally:
             self._tape.paused = False
-        if origin is None:
-            return finding
-        where = f" at {origin.source}" if origin.source else ""
-        module = origin.module or finding.module
-        return dataclasses.replace(
-            finding,
-            module=module,
-            phase=origin.phase,
-            op=origin.op,
-            source=origin.source,
-            message=f"{origin.phase}: {origin.op} in {module!r} made {origin.produced} from "
-            f"finite inputs{where}"
-            + (
-                " (in the backward pass: its gradient formula)"
-                if origin.phase == "backward"
-                else ""
-            )
-            + f", at step {finding.step}. Cheap check: {finding.message}",
-        )
+        return finding if origin is None else origin.refine(finding)
 
     def _with_overflow(self, nonfinite: Finding) -> list[Finding]:
         overflow = self._diagnosis.overflow(nonfinite)

@@ -10,6 +10,7 @@ gradients and RNG state exactly as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import weakref
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .._diagnose import Finding
 from .._hooks import HookSet, in_backward_recompute
 from .._tree import map_tensors, tensors
 
@@ -163,6 +165,27 @@ class Origin:
     module: str | None  # the innermost module running it
     source: str | None  # "file.py:42", the user's line that called the forward op
     produced: str  # "NaN" or "Inf"
+
+    def refine(self, finding: Finding, *, cheap_check: bool = True) -> Finding:
+        """``finding`` (a ``nonfinite`` one) with this op, phase, module and line; its old
+        message is kept after the new one with ``cheap_check``."""
+        module = self.module or finding.module
+        where = f" at {self.source}" if self.source else ""
+        formula = (
+            " (in the backward pass: its gradient formula)" if self.phase == "backward" else ""
+        )
+        message = (
+            f"{self.phase}: {self.op} in {module!r} made {self.produced} from finite "
+            f"inputs{where}{formula}, at step {finding.step}"
+        )
+        return dataclasses.replace(
+            finding,
+            module=module,
+            phase=self.phase,
+            op=self.op,
+            source=self.source,
+            message=f"{message}. Cheap check: {finding.message}" if cheap_check else message,
+        )
 
 
 def trace(
