@@ -13,7 +13,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["MOMENTS", "Plan", "Sampler", "dead_fraction", "histogram", "moments", "plan_for"]
+__all__ = [
+    "MOMENTS",
+    "Plan",
+    "Sampler",
+    "dead_fraction",
+    "histogram",
+    "moments",
+    "norms",
+    "plan_for",
+]
 
 # Sums of a sample, in this order; they add up over tensors and calls.
 MOMENTS = ("sum", "sumsq", "zeros", "sat", "nan", "inf", "n")
@@ -146,3 +155,18 @@ def histogram(t: torch.Tensor, bins: int) -> torch.Tensor:
     index = ((x - lo) / width).long().clamp_(0, bins - 1)
     counts = torch.bincount(index, minlength=bins).float()
     return torch.cat([lo.reshape(1), hi.reshape(1), counts])
+
+
+def norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
+    """``ord``-norms of many tensors (float32), one fused kernel per device and dtype."""
+    if not tensors:
+        return []
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    for indices in groups.values():
+        values = torch._foreach_norm([tensors[i].detach() for i in indices], ord)
+        for i, norm in zip(indices, values, strict=True):
+            out[i] = norm.float()
+    return out  # type: ignore[return-value]

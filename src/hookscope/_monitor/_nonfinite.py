@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .._diagnose import Finding
+from .._stats import norms
 from ._buffer import Host, StepBuffer
 
 __all__ = ["Flag", "NonFiniteTrail"]
@@ -93,14 +94,9 @@ class NonFiniteTrail:
         """Flag the gradients an optimizer is about to apply (one fused kernel): a NaN/Inf
         can arise in a weight's gradient alone (an overflowing recurrent matmul)."""
         names = [n for n in names if params[n].grad is not None]
-        by_device: dict[tuple, list[str]] = {}
-        for n in names:
-            g = params[n].grad
-            by_device.setdefault((g.device, g.dtype), []).append(n)
-        for group in by_device.values():
-            sums = torch._foreach_norm([params[n].grad for n in group], 1)
-            for n, value in zip(group, sums, strict=True):
-                self._add(buf, Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n), value)
+        sums = norms([params[n].grad for n in names], 1)
+        for n, value in zip(names, sums, strict=True):
+            self._add(buf, Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n), value)
 
     def _add(self, buf: StepBuffer, flag: Flag, value: torch.Tensor) -> int:
         self.flags.append(flag)

@@ -14,7 +14,16 @@ import torch
 from torch import nn
 
 from .._log import StepRecord
-from .._stats import MOMENTS, Plan, Sampler, dead_fraction, histogram, moments, plan_for
+from .._stats import (
+    MOMENTS,
+    Plan,
+    Sampler,
+    dead_fraction,
+    histogram,
+    moments,
+    norms,
+    plan_for,
+)
 from ._buffer import Host, StepBuffer
 
 __all__ = ["Activations", "BatchNorms", "OutputGrads", "Params"]
@@ -38,8 +47,10 @@ class Activations:
 
     def forward(self, buf: StepBuffer, name: str, outs: list[torch.Tensor]) -> None:
         plan = self.plans[name]
+        first = None
         for t in outs:
             x = self.sampler(t.detach())
+            first = x if first is None else first
             buf.add(("act", name), moments(x, plan.bounds))
             lo, hi = torch.aminmax(x.float()) if x.numel() else (x.new_zeros(()),) * 2
             buf.add(("act_min", name), lo, "min")
@@ -49,8 +60,8 @@ class Activations:
                 units = self.sampler.units(t.detach())
                 if units.shape[1] >= self.min_units and units.shape[0] >= self.min_samples:
                     buf.add(("act_dead", name), dead_fraction(units, self.dead_at), "max")
-        if self.bins and outs:
-            buf.set(("act_hist", name), histogram(self.sampler(outs[0].detach()), self.bins))
+        if self.bins and first is not None:
+            buf.set(("act_hist", name), histogram(first, self.bins))
 
     def read(self, host: Host, record: StepRecord) -> None:
         for name in self.plans:
@@ -154,7 +165,7 @@ class Params:
                     buf.set(("param", name, "no_grad"), torch.ones(()))
         names = [n for n in names if self.params[n].grad is not None]
         grads = [self.params[n].grad for n in names]
-        for name, norm in zip(names, _norms(grads), strict=True):
+        for name, norm in zip(names, norms(grads), strict=True):
             buf.set(("param", name, "grad_norm"), norm.square())
 
     def before_update(self, names: list[str]) -> None:
@@ -173,17 +184,17 @@ class Params:
                 buf.set(
                     ("param", name, "before"), torch.linalg.vector_norm(before.float()).square()
                 )
-        self._weight_norms(buf, names)
+        self._weightnorms(buf, names)
         self._done.update(names)
 
     def collect(self, buf: StepBuffer) -> None:
         rest = [n for n in self.params if n not in self._done]
         self.read_grads(buf, rest)
-        self._weight_norms(buf, rest)
+        self._weightnorms(buf, rest)
 
-    def _weight_norms(self, buf: StepBuffer, names: list[str]) -> None:
+    def _weightnorms(self, buf: StepBuffer, names: list[str]) -> None:
         weights = [self.params[n].detach() for n in names]
-        for name, norm in zip(names, _norms(weights), strict=True):
+        for name, norm in zip(names, norms(weights), strict=True):
             buf.set(("param", name, "norm"), norm.square())
 
     def read(self, host: Host, record: StepRecord) -> None:
@@ -205,21 +216,6 @@ class Params:
     def reset(self) -> None:
         self._before.clear()
         self._done.clear()
-
-
-def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """2-norms of many tensors with one fused kernel per device and dtype."""
-    if not tensors:
-        return []
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    for indices in groups.values():
-        norms = torch._foreach_norm([tensors[i].detach() for i in indices])
-        for i, norm in zip(indices, norms, strict=True):
-            out[i] = norm.float()
-    return out  # type: ignore[return-value]
 
 
 class BatchNorms:
