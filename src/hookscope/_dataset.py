@@ -45,6 +45,7 @@ from torch import nn
 
 from ._errors import HookscopeError, HookscopeWarning, did_you_mean, missing_extra
 from ._extract import _StopForward
+from ._format import progress_bar
 from ._hooks import HookSet, check_not_compiled, training_mode
 from ._select import Where, select
 from ._sites import forward_failed
@@ -644,7 +645,13 @@ class _Run:
                 raise _StopForward
 
         total = _len(self.loader) if self.order is None else len(self.order[1]) - 1
-        bar = _progress(progress and self.rank == 0, total, start, self.out)
+        bar = progress_bar(
+            progress and self.rank == 0,
+            total=total,
+            initial=start,
+            unit="batch",
+            desc=f"extract_dataset {self.out.name}",
+        )
         writer: _Writer | None = None
         shard: _Shard | None = None
         done: dict[str, Any] | None = None
@@ -835,16 +842,6 @@ def _to_host(
     ):
         return t
     return torch.empty(t.shape, dtype=target).copy_(t)
-
-
-def _progress(show: bool, total: int | None, initial: int, out: Path) -> Any:
-    if not show:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, initial=initial, unit="batch", desc=f"extract_dataset {out.name}")
 
 
 # -- reading -----------------------------------------------------------------------------------

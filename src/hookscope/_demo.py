@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ._errors import HookscopeError, missing_extra
+from ._format import progress_bar
 
 __all__ = ["FAULTS", "DemoResult", "DigitsCNN", "load_digits", "run_demo"]
 
@@ -111,16 +112,6 @@ def _log_input(args: tuple[torch.Tensor, ...], site: Any) -> tuple[torch.Tensor,
     return (torch.log(x),)
 
 
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="training", unit="step", leave=False)
-
-
 def run_demo(
     out: str | Path = "hookscope-demo",
     *,
@@ -166,7 +157,9 @@ def _train(
     model_summary = summary(model, x_train[:2])
     # The Monitor finds the optimizer by itself and skips an update that would write a NaN.
     mon = Monitor(model, every=every, log_dir=log_dir, on_nonfinite="skip")
-    bar = _progress(epochs * per_epoch, progress)
+    bar = progress_bar(
+        progress, total=epochs * per_epoch, desc="training", unit="step", leave=False
+    )
     step = 0
     with mon:
         mon.log("summary", **model_summary.to_dict())

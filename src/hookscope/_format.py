@@ -1,8 +1,11 @@
-"""Text helpers shared by the summary table and the report: no torch here."""
+"""Text and console helpers shared by the summary, the report, the demo and extract_dataset:
+no torch here."""
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_shapes"]
+from typing import Any
+
+__all__ = ["format_bytes", "format_shapes", "progress_bar"]
 
 
 def format_shapes(shapes: list[list[int]] | None) -> str:
@@ -19,3 +22,14 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError  # pragma: no cover
+
+
+def progress_bar(enabled: bool, **options: Any) -> Any:
+    """A tqdm bar with ``options``, or ``None`` when disabled or tqdm is not installed."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(**options)
