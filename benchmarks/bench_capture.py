@@ -26,6 +26,7 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import _models
 import torch
 from torch import nn
 
@@ -37,24 +38,9 @@ ALL = ("input", "output", "grad_input", "grad_output")
 
 
 def build() -> tuple[nn.Module, torch.Tensor]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=N_LAYER,
-        n_embd=256,
-        n_head=4,
-        vocab_size=5000,
-        n_positions=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-        loss_type="ForCausalLM",
-    )
-    model = GPT2LMHeadModel(config)
-    ids = torch.randint(0, config.vocab_size, (8, 128))
+    model = _models.gpt2(n_layer=N_LAYER)
+    ids = torch.randint(0, model.config.vocab_size, (8, 128))
     return model, ids
 
 

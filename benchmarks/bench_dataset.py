@@ -30,6 +30,7 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import _models
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -66,21 +67,7 @@ def cnn(width: int = 16) -> nn.Module:
 
 
 def gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    config = GPT2Config(
-        n_layer=4,
-        n_embd=256,
-        n_head=4,
-        vocab_size=5000,
-        n_positions=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        use_cache=False,
-    )
-    return GPT2LMHeadModel(config)
+    return _models.gpt2()
 
 
 def bare_pass(model: nn.Module, loader: DataLoader) -> Callable[[], int]:

@@ -53,6 +53,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["WANDB_MODE"] = "offline"  # never reach the network
 os.environ["WANDB_SILENT"] = "true"
 
+import _models
 import torch
 from torch import nn
 
@@ -66,27 +67,10 @@ LossOf = Callable[[nn.Module], torch.Tensor]
 
 
 def gpt2() -> tuple[nn.Module, LossOf, Callable[[nn.Module], torch.optim.Optimizer]]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    config = GPT2Config(
-        n_layer=4,
-        n_embd=256,
-        n_head=4,
-        vocab_size=5000,
-        n_positions=128,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        loss_type="ForCausalLM",
-    )
-    ids = torch.randint(0, config.vocab_size, (8, 128))
+    model = _models.gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, model.config.vocab_size, (8, 128))
     return (
-        GPT2LMHeadModel(config),
+        model,
         lambda m: m(ids, labels=ids).loss,
         lambda m: torch.optim.SGD(m.parameters(), lr=1e-4),
     )
