@@ -219,6 +219,14 @@ class Monitor:
         """Adopt ``optimizer`` now (optimizers that step the model are found by themselves)."""
         self._optim.adopt(optimizer)
 
+    def read_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """This step's gradients are final now (accumulated, unscaled): read them here
+        instead of just before the update. Call it before ``clip_grad_norm_`` to log the
+        gradients clipping would hide (the trainer integrations do). ``optimizer`` defaults
+        to every adopted one."""
+        for opt in [optimizer] if optimizer is not None else self._optim.optimizers:
+            self._optim.read_now(opt)
+
     # -- hooks -----------------------------------------------------------------------------
     def _on_forward(
         self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any
@@ -452,6 +460,7 @@ class Monitor:
         self._tape.reset()
         self._grads.reset()
         self._params.reset()
+        self._optim.reset()
         self._no_grad_names.clear()
         self._made, self._got_grad, self._returned = {}, set(), set()
         self._updates = self._skipped = 0

@@ -64,6 +64,7 @@ class OptimizerWatch:
         self._before, self._after = before, after
         self._cache: dict[int, tuple[weakref.ref, int, list[str]]] = {}
         self._hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self._read_early: set[int] = set()  # optimizers whose gradients were read already
         self.adopted: list[weakref.ref[torch.optim.Optimizer]] = []
         hooks.optimizer_step_pre_global(self._pre)
         hooks.optimizer_step_post_global(self._post)
@@ -110,8 +111,25 @@ class OptimizerWatch:
             return args, {**kwargs, "closure": closure_then_read}
         return (args[0], closure_then_read, *args[2:]), kwargs
 
+    def read_now(self, optimizer: Any) -> None:
+        """This step's gradients of ``optimizer``'s parameters are final now (a trainer
+        calls this before it clips them): read them here, not again before the update."""
+        opt = unwrap(optimizer)
+        names = self._names(opt)
+        if names and id(opt) not in self._read_early:
+            self._grads(opt, names)
+            self._read_early.add(id(opt))
+
+    def reset(self) -> None:
+        """A new step: gradients read early by the last one (whose update was skipped, say)
+        are stale."""
+        self._read_early.clear()
+
     def _final_grads(self, opt: torch.optim.Optimizer, names: list[str]) -> None:
-        self._grads(opt, names)
+        if id(opt) in self._read_early:
+            self._read_early.discard(id(opt))
+        else:
+            self._grads(opt, names)
         if self._check(opt, names):
             hidden = [(p, p.grad) for group in opt.param_groups for p in group["params"]]
             for p, _ in hidden:
