@@ -10,7 +10,9 @@ optimizers are found through torch's global step hooks (``_optim.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, fields
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds
@@ -29,7 +32,8 @@ from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
 from .._stats import Sampler
 from .._tree import tensors
 from .._version import __version__
-from ._buffer import StepBuffer
+from ._buffer import Host, StepBuffer
+from ._dist import Collective, Entry, RankInfo, digest
 from ._nonfinite import NonFiniteTrail
 from ._optim import OptimizerWatch
 from ._probes import Activations, BatchNorms, OutputGrads, Params
@@ -84,6 +88,14 @@ class Monitor:
             optimizers' state; for ``nonfinite`` with an optimizer, from before the update).
             Replay it with :func:`hs.replay`, or ``hookscope replay BUNDLE --model M:F``.
         record_on: Finding kinds that write a bundle (default: ``("nonfinite",)``).
+        sync: Under ``torch.distributed`` with several ranks (every rank builds the same
+            Monitor): ``None`` (default) or ``True`` combine the ranks' figures with one
+            collective per step into what one process would compute on the whole batch
+            (activations over every rank's micro-batch, output gradients of the averaged
+            loss, parameter norms and update ratios of the whole, unsharded model, tensor
+            scalars averaged); findings are then the same on every rank, a ``nonfinite`` one
+            names the rank where it started, and rank 0 alone writes ``log_dir``.
+            ``False``: per-rank statistics, each rank's log in ``log_dir/rank{k}``.
 
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
     before it. Statistics are collected from modules in training mode; evaluation passes
@@ -118,6 +130,7 @@ class Monitor:
         thresholds: Thresholds | None = None,
         record_dir: str | Path | None = None,
         record_on: Sequence[str] = ("nonfinite",),
+        sync: bool | None = None,
         **threshold_overrides: float,
     ) -> None:
         if every is not None and (not isinstance(every, int) or every < 1):
@@ -129,7 +142,11 @@ class Monitor:
             raise ValueError(f"on_nonfinite must be 'log', 'raise' or 'skip', got {on_nonfinite!r}")
         self.thresholds = _thresholds(thresholds, threshold_overrides)
         sampler = Sampler(sample)
+        model = _unwrap(model)  # DDP: name modules as the model it wraps (no "module.")
         check_not_compiled(model, "Monitor")
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if distributed else None
+        self._coll = Collective() if distributed and sync is not False else None
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
         self.modules: dict[str, nn.Module] = select(model, where if where is not None else _is_leaf)
         self.findings: list[Finding] = []
@@ -145,8 +162,22 @@ class Monitor:
             dead_min=(self.thresholds.dead_min_units, self.thresholds.dead_min_samples),
             bins=bins if histograms else None,
         )
-        self._grads = OutputGrads(sampler)
+        self._grads = OutputGrads(
+            sampler, self.modules, world=self._coll.world if self._coll else 1
+        )
         self._params = Params(model, sampler)
+        sharded = any(v is not None for v in self._params.sharded.values())
+        if sharded and record_dir is not None:
+            raise ValueError(
+                "record_dir= does not support sharded (FSDP2) parameters yet: the replay "
+                "bundle holds the whole model's state. Leave record_dir unset."
+            )
+        # A replay runs the model's forward on one rank: never where that needs the others
+        # (FSDP2 gathers its shards, SyncBatchNorm its statistics).
+        self._can_trace = not sharded and not any(
+            isinstance(m, nn.SyncBatchNorm) for m in model.modules()
+        )
+        self._layouts: dict[tuple, list[Entry]] = {}
         self._bns = BatchNorms(model)
         shapes = {n: list(p.shape) for n, p in self._params.params.items()}
         types = {n: type(m).__name__ for n, m in model.named_modules()}
@@ -186,10 +217,28 @@ class Monitor:
             )
             if optimizer is not None:
                 self._optim.adopt(optimizer)
-            if log_dir is not None:
+            if distributed and self._coll is None and log_dir is not None:
+                log_dir = Path(log_dir) / f"rank{self.rank}"
+            if log_dir is not None and (self._coll is None or self._coll.rank == 0):
                 self._sinks.append(JsonlSink(Path(log_dir) / LOG_NAME))
                 with contextlib.suppress(ImportError):
                     self._sinks.append(TensorBoardSink(log_dir))
+            settings = {
+                "every": every,
+                "sample": sample,
+                "on_nonfinite": on_nonfinite,
+                "histograms": histograms,
+                "bins": bins,
+                "thresholds": asdict(self.thresholds),
+            }
+            if self._coll is not None:
+                layout = {
+                    "modules": {n: type(m).__name__ for n, m in self.modules.items()},
+                    "params": {n: list(p.shape) for n, p in self._params.params.items()},
+                    "bn": list(self._bns.modules),
+                    "settings": settings,
+                }
+                self._coll.handshake(json.dumps(layout, sort_keys=True, default=str))
         except BaseException:
             self.close()
             raise
@@ -199,12 +248,10 @@ class Monitor:
             modules={n: type(m).__name__ for n, m in self.modules.items()},
             params={n: list(p.shape) for n, p in self._params.params.items()},
             settings={
-                "every": every,
-                "sample": sample,
-                "on_nonfinite": on_nonfinite,
-                "histograms": histograms,
-                "bins": bins,
-                "thresholds": asdict(self.thresholds),
+                **settings,
+                "world": dist.get_world_size() if distributed else 1,
+                "sync": self._coll is not None,
+                **({"rank": self.rank} if distributed and self._coll is None else {}),
             },
             time=time.time(),
         )
@@ -282,8 +329,15 @@ class Monitor:
     def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
         """The non-finite check, before the optimizer changes anything. True: skip it."""
         if self._nonfinite is None:
-            host = self._buf.to_host()
-            self._nonfinite = self._traced(self._trail.localise(host, self.step_count))
+            if self._coll is None:
+                host = self._buf.to_host()
+                self._nonfinite = self._traced(self._trail.localise(host, self.step_count))
+            elif self.on_nonfinite == "log":
+                return False  # found at step(), from the step's one collective
+            else:  # every rank must take the same decision before its update
+                info = self._coll.agree_bad(self._bad_bits(), self.step_count)
+                host = self._buf.to_host(only=lambda key: key[0] == "flag")
+                self._nonfinite = self._agreed(host, info)
             if self._nonfinite is not None:
                 self._report(self._with_overflow(self._nonfinite), before_update=True)
                 if self.on_nonfinite == "raise":
@@ -341,9 +395,21 @@ class Monitor:
         if sampled:
             self._params.collect(buf)
             self._bns.collect(buf)
-        host = buf.to_host()
+        tensor_scalars = sorted(k for k in scalars if k not in plain)
+        info = None
+        if self._coll is None:
+            host = buf.to_host()
+        else:
+            host, info = self._coll.exchange(
+                buf,
+                self._layout(sampled, tensor_scalars),
+                self._bad_bits(),
+                step,
+                digest(",".join(tensor_scalars)),
+            )
+        world = self._coll.world if self._coll is not None else 1
         record = StepRecord(step, time.time(), sampled, self._model.training)
-        record.scalars = {k: host[("scalar", k)][0] for k in scalars if k not in plain}
+        record.scalars = {k: host[("scalar", k)][0] / world for k in tensor_scalars}
         record.scalars.update(plain)
         record.scalars.update(self._learning_rates())
         if sampled:
@@ -351,7 +417,10 @@ class Monitor:
                 probe.read(host, record)
         found = []
         if self._nonfinite is None:
-            self._nonfinite = self._traced(self._trail.localise(host, step))
+            if info is None:
+                self._nonfinite = self._traced(self._trail.localise(host, step))
+            else:
+                self._nonfinite = self._agreed(host, info)
             if self._nonfinite is not None:
                 found += self._with_overflow(self._nonfinite)
         if sampled:
@@ -373,10 +442,47 @@ class Monitor:
             raise self._error(nonfinite)
         return new
 
+    def _layout(self, sampled: bool, scalars: list[str]) -> list[Entry]:
+        """What the step's collective carries, in an order every rank derives alike."""
+        key = (sampled, tuple(scalars))
+        layout = self._layouts.get(key)
+        if layout is None:
+            rank = self._coll.rank
+            layout = [Entry(("scalar", k), 1, "sum") for k in scalars]
+            if sampled:
+                layout += self._acts.layout(rank) + self._grads.layout()
+                layout += self._params.layout(rank) + self._bns.layout(rank)
+            layout = self._layouts[key] = layout
+        return layout
+
+    def _bad_bits(self) -> torch.Tensor:
+        flags = [(("flag", i), flag.phase) for i, flag in enumerate(self._trail.flags)]
+        return self._coll.bad_bits(self._buf, flags)
+
+    def _agreed(self, host: Host, info: RankInfo) -> Finding | None:
+        """The non-finite finding every rank agrees on: the rank where the value first
+        went bad localises (and traces) it and hands it to the others."""
+        origin = info.origin()
+        if origin is None:
+            return None
+        rank, _ = origin
+        finding = None
+        if self._coll.rank == rank:
+            finding = self._traced(self._trail.localise(host, self.step_count))
+            if finding is not None:
+                finding = dataclasses.replace(
+                    finding,
+                    rank=rank,
+                    message=f"{finding.message} (on rank {rank} of {self._coll.world})",
+                )
+        return self._coll.broadcast(finding, rank)
+
     def _traced(self, finding: Finding | None) -> Finding | None:
         """``finding`` with the op, phase and source line from a replay of this step under
         an op-level tracer (first time only: the replay costs about one training step)."""
         if finding is None or not self._tape.calls or not self._diagnosis.is_new(finding):
+            return finding
+        if not self._can_trace:
             return finding
         self._tape.paused = True
         try:
@@ -396,7 +502,8 @@ class Monitor:
         self.findings.extend(new)
         for finding in new:
             self._write({"type": "finding", **asdict(finding)})
-            wanted = self.record_dir is not None and finding.kind in self.record_on
+            here = self._coll is None or self._coll.rank == (finding.rank or 0)
+            wanted = here and self.record_dir is not None and finding.kind in self.record_on
             if wanted and finding.kind not in self._recorded:
                 self._recorded.add(finding.kind)
                 self._record(finding, before_update)
@@ -522,6 +629,7 @@ def _thresholds(base: Thresholds | None, overrides: dict[str, float]) -> Thresho
 
 _MONITOR_KEYWORDS = (
     "where",
+    "sync",
     "record_dir",
     "record_on",
     "every",
@@ -534,6 +642,13 @@ _MONITOR_KEYWORDS = (
     "sinks",
     "thresholds",
 )
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside ``DistributedDataParallel`` / ``DataParallel``."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
 
 
 def _is_leaf(name: str, module: nn.Module) -> bool:

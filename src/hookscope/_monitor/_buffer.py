@@ -9,7 +9,7 @@ ranks still add up. :meth:`StepBuffer.to_host` concatenates everything and makes
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Literal
 
 import torch
@@ -53,15 +53,34 @@ class StepBuffer:
         """How many values wait for the next transfer."""
         return len(self._values)
 
-    def to_host(self) -> Host:
+    def pending_keys(self) -> list[Hashable]:
+        return list(self._values)
+
+    def value(self, key: Hashable) -> torch.Tensor | None:
+        """The device value under ``key`` that waits for the next transfer, if any."""
+        return self._values.get(key)
+
+    def take(self, key: Hashable) -> torch.Tensor | None:
+        """Remove and return the waiting device value under ``key`` (for a collective that
+        moves it itself; :meth:`absorb` hands the result back)."""
+        return self._values.pop(key, None)
+
+    def absorb(self, host: Host) -> None:
+        """Host values moved by someone else (a collective), combined as :meth:`to_host`
+        would combine them."""
+        for key, new in host.items():
+            old = self._host.get(key)
+            self._host[key] = new if old is None else _combine(self._reduce[key], old, new)
+
+    def to_host(self, only: Callable[[Hashable], bool] | None = None) -> Host:
         """Every value as a list of floats, from one device-to-host transfer.
 
         Values already moved by an earlier call are not moved again; a key added again
         since is combined with them on the host by its rule (a second transfer only carries
-        what is new).
+        what is new). ``only`` moves just the keys it accepts.
         """
-        if self._values:
-            keys = list(self._values)
+        keys = [k for k in self._values if only is None or only(k)]
+        if keys:
             parts = [self._values[k].reshape(-1) for k in keys]
             device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
             flat = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
@@ -71,7 +90,7 @@ class StepBuffer:
                 at += part.numel()
                 old = self._host.get(key)
                 self._host[key] = new if old is None else _combine(self._reduce[key], old, new)
-            self._values.clear()
+                del self._values[key]
         return self._host
 
 

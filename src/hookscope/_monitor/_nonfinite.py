@@ -16,6 +16,7 @@ import torch
 from .._diagnose import Finding
 from .._stats import norms
 from ._buffer import Host, StepBuffer
+from ._dist import local
 
 __all__ = ["Flag", "NonFiniteTrail"]
 
@@ -94,7 +95,7 @@ class NonFiniteTrail:
         """Flag the gradients an optimizer is about to apply (one fused kernel): a NaN/Inf
         can arise in a weight's gradient alone (an overflowing recurrent matmul)."""
         names = [n for n in names if params[n].grad is not None]
-        sums = norms([params[n].grad for n in names], 1)
+        sums = norms([local(params[n].grad) for n in names], 1)
         for n, value in zip(names, sums, strict=True):
             self._add(buf, Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n), value)
 

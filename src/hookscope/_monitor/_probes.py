@@ -25,6 +25,7 @@ from .._stats import (
     plan_for,
 )
 from ._buffer import Host, StepBuffer
+from ._dist import Entry, local, sharded_contributes
 
 __all__ = ["Activations", "BatchNorms", "OutputGrads", "Params"]
 
@@ -63,6 +64,21 @@ class Activations:
         if self.bins and first is not None:
             buf.set(("act_hist", name), histogram(first, self.bins))
 
+    def layout(self, rank: int) -> list[Entry]:
+        """Keys and combining rules, for a collective across ranks (histograms: rank 0's)."""
+        entries = []
+        for name in self.plans:
+            entries += [
+                Entry(("act", name), len(MOMENTS), "sum"),
+                Entry(("act_min", name), 1, "min"),
+                Entry(("act_max", name), 1, "max"),
+                Entry(("act_numel", name), 1, "sum"),
+                Entry(("act_dead", name), 1, "max"),
+            ]
+            if self.bins:
+                entries.append(Entry(("act_hist", name), self.bins + 2, _rank0(rank)))
+        return entries
+
     def read(self, host: Host, record: StepRecord) -> None:
         for name in self.plans:
             sums = host.get(("act", name))
@@ -96,9 +112,13 @@ class Activations:
 class OutputGrads:
     """Norm, RMS and largest magnitude of the gradient of each module's output."""
 
-    def __init__(self, sampler: Sampler) -> None:
+    def __init__(self, sampler: Sampler, names: Iterable[str], *, world: int = 1) -> None:
         self.sampler = sampler
+        self.names = list(names)
         self.order: list[str] = []  # modules in the order their gradients arrived
+        # Data-parallel training averages the ranks' losses: the gradient of the global loss
+        # with respect to one rank's output is that rank's gradient divided by the world.
+        self.scale = 1.0 / world
 
     def backward(self, buf: StepBuffer, name: str, grad: torch.Tensor) -> None:
         x = self.sampler(grad.detach())
@@ -111,14 +131,22 @@ class OutputGrads:
         buf.add(key, torch.cat([sums, sums.new_tensor([float(grad.numel())])]))
         buf.add(("grad_absmax", name), x.abs().max() if x.numel() else x.new_zeros(()), "max")
 
+    def layout(self) -> list[Entry]:
+        entries = []
+        for name in self.names:
+            entries += [Entry(("grad", name), 3, "sum"), Entry(("grad_absmax", name), 1, "max")]
+        return entries
+
     def read(self, host: Host, record: StepRecord) -> None:
+        if len(self.order) < len(self.names):  # modules other ranks' gradients reached
+            self.order += [n for n in self.names if ("grad", n) in host and n not in self.order]
         for name in self.order:
             sumsq, n, numel = host[("grad", name)]
-            ms = sumsq / max(n, 1.0)
+            ms = sumsq / max(n, 1.0) * self.scale**2
             record.grad[name] = {
                 "norm": math.sqrt(ms * numel),
                 "rms": math.sqrt(ms),
-                "absmax": host[("grad_absmax", name)][0],
+                "absmax": host[("grad_absmax", name)][0] * self.scale,
                 "numel": int(numel),
                 "sampled": int(n),
             }
@@ -143,6 +171,9 @@ class Params:
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self._name = {id(p): n for n, p in self.params.items()}
         self.sampler = sampler
+        # Across ranks: a sharded (FSDP2) parameter's figures add up over its shards; a
+        # replicated one (DDP) is the same everywhere and counted once.
+        self.sharded = {n: sharded_contributes(p) for n, p in self.params.items()}
         self._before: dict[str, torch.Tensor] = {}
         self._done: set[str] = set()
 
@@ -164,7 +195,7 @@ class Params:
                 if self.params[name].grad is None:
                     buf.set(("param", name, "no_grad"), torch.ones(()))
         names = [n for n in names if self.params[n].grad is not None]
-        grads = [self.params[n].grad for n in names]
+        grads = [local(self.params[n].grad) for n in names]
         for name, norm in zip(names, norms(grads), strict=True):
             buf.set(("param", name, "grad_norm"), norm.square())
 
@@ -172,13 +203,13 @@ class Params:
         for name in names:
             p = self.params[name]
             if p.dim() >= 2:  # update ratios concern weight matrices and kernels
-                self._before[name] = self.sampler(p.detach()).clone()
+                self._before[name] = self.sampler(local(p.detach())).clone()
 
     def after_update(self, buf: StepBuffer, names: list[str]) -> None:
         for name in names:
             before = self._before.pop(name, None)
             if before is not None and self.params[name].grad is not None:
-                now = self.sampler(self.params[name].detach())
+                now = self.sampler(local(self.params[name].detach()))
                 delta = torch.linalg.vector_norm((now - before).float())
                 buf.set(("param", name, "delta"), delta.square())
                 buf.set(
@@ -193,9 +224,17 @@ class Params:
         self._weightnorms(buf, rest)
 
     def _weightnorms(self, buf: StepBuffer, names: list[str]) -> None:
-        weights = [self.params[n].detach() for n in names]
+        weights = [local(self.params[n].detach()) for n in names]
         for name, norm in zip(names, norms(weights), strict=True):
             buf.set(("param", name, "norm"), norm.square())
+
+    def layout(self, rank: int) -> list[Entry]:
+        entries = []
+        for name, sharded in self.sharded.items():
+            rule = _rank0(rank) if sharded is None else ("sum" if sharded else "none")
+            for stat in ("grad_norm", "norm", "delta", "before", "no_grad"):
+                entries.append(Entry(("param", name, stat), 1, rule))
+        return entries
 
     def read(self, host: Host, record: StepRecord) -> None:
         for name in self.params:
@@ -241,6 +280,10 @@ class BatchNorms:
             self._prev[name] = (mean.clone(), var.clone())
             buf.set(("bn", name), torch.cat([mean.mean().reshape(1), var.mean().reshape(1), drift]))
 
+    def layout(self, rank: int) -> list[Entry]:
+        """Running statistics: rank 0's (DDP broadcasts rank 0's buffers at each forward)."""
+        return [Entry(("bn", name), 4, _rank0(rank)) for name in self.modules]
+
     def read(self, host: Host, record: StepRecord) -> None:
         for name in self.modules:
             values = host.get(("bn", name))
@@ -252,6 +295,10 @@ class BatchNorms:
                         strict=True,
                     )
                 )
+
+
+def _rank0(rank: int) -> str:
+    return "sum" if rank == 0 else "none"
 
 
 def _relative(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:

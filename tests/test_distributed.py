@@ -1,0 +1,276 @@
+"""Several processes: 2 gloo ranks on CPU, one spawn for all scenarios (a spawn costs ~10 s).
+
+Oracles: one process (``sync=False``, so nothing is combined) running the same model on the
+concatenated batch; the unsharded model for FSDP2; a counting wrapper around
+``dist.all_reduce``. Each rank runs every scenario and writes what it saw to a JSON file;
+the assertions run here, in the test process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import hookscope as hs
+
+WORLD = 2
+pytestmark = pytest.mark.slow
+
+
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batches(steps: int, per_rank: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(WORLD * per_rank, 6, generator=g), torch.randn(WORLD * per_rank, 3, generator=g))
+        for _ in range(steps)
+    ]
+
+
+def steps_of(mon: hs.Monitor) -> list[dict]:
+    return [r for r in mon.records if r["type"] == "step"]
+
+
+def train(model, data, mon, rank=None, lr=0.1):
+    """SGD on ``data``; with ``rank``, that rank's half of each batch (DDP averages)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x, y in data:
+        if rank is not None:
+            x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step(loss=loss)
+
+
+def scenario_ddp(rank: int, out: dict, tmp: Path) -> None:
+    torch.manual_seed(0)
+    base = mlp()
+    data = batches(3)
+    # The oracle: one process on the whole batch (sync=False: nothing is combined).
+    ref_model = copy.deepcopy(base)
+    with hs.Monitor(ref_model, every=1, sample=None, sync=False) as ref:
+        train(ref_model, data, ref)
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        with hs.Monitor(ddp, every=1, sample=None, log_dir=tmp / "ddp") as mon:
+            built = len(calls)
+            train(ddp, data, mon, rank=rank)
+    finally:
+        dist.all_reduce = real
+    out["ddp"] = {
+        "steps": steps_of(mon),
+        "ref": steps_of(ref),
+        "collectives": len(calls) - built,
+        "modules": sorted(mon.modules),
+        "findings": len(mon.findings),
+    }
+
+
+def scenario_nan(rank: int, out: dict, tmp: Path) -> None:
+    """A NaN made on rank 1 only (log of a negative number)."""
+    for mode in ("log", "raise"):
+        torch.manual_seed(0)
+        model = nn.Sequential(Log(), nn.Linear(6, 8), nn.Linear(8, 3))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        seen = {"mode": mode, "raised_at": None}
+        with hs.Monitor(ddp, every=1, on_nonfinite=mode) as mon:
+            for step in range(3):
+                x = torch.rand(4, 6) + 1
+                if step == 1 and rank == 1:
+                    x = -x  # rank 1's log turns NaN
+                before = model[1].weight.detach().clone()
+                try:
+                    loss = ddp(x).sum()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    mon.step(loss=loss)
+                except hs.NonFiniteError as e:
+                    seen["raised_at"] = step
+                    seen["error"] = {"module": e.module, "rank": e.rank, "op": e.op}
+                    seen["unchanged"] = bool(torch.equal(before, model[1].weight))
+                    break
+        seen["findings"] = [
+            {"kind": f.kind, "module": f.module, "rank": f.rank, "op": f.op, "step": f.step}
+            for f in mon.findings
+        ]
+        out[f"nan_{mode}"] = seen
+
+
+def scenario_fsdp(rank: int, out: dict, tmp: Path) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    base = mlp()
+    data = batches(2)
+    ref_model = copy.deepcopy(base)
+    with hs.Monitor(ref_model, every=1, sample=None, sync=False) as ref:
+        train(ref_model, data, ref)
+    model = copy.deepcopy(base)
+    for layer in model:
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    with hs.Monitor(model, every=1, sample=None, log_dir=tmp / "fsdp") as mon:
+        dist.all_reduce = counting
+        try:
+            train(model, data, mon, rank=rank)
+        finally:
+            dist.all_reduce = real
+    out["fsdp"] = {
+        "steps": steps_of(mon),
+        "ref": steps_of(ref),
+        "collectives": len(calls),
+        "sharded": type(next(model.parameters())).__name__,
+    }
+
+
+def scenario_mismatch(rank: int, out: dict, tmp: Path) -> None:
+    """Ranks that build different Monitors get an error, not a hang."""
+    try:
+        hs.Monitor(mlp(), every=1 if rank == 0 else 5).close()
+        out["mismatch"] = None
+    except hs.HookscopeError as e:
+        out["mismatch"] = str(e)
+
+
+def worker(rank: int, tmp: str) -> None:
+    tmp = Path(tmp)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+    out: dict = {}
+    try:
+        for scenario in (scenario_ddp, scenario_nan, scenario_fsdp, scenario_mismatch):
+            scenario(rank, out, tmp)
+    finally:
+        (tmp / f"rank{rank}.json").write_text(json.dumps(out, default=str))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("dist")
+    ctx = mp.start_processes(worker, args=(str(tmp),), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the 2-rank run hung (killed after 240 s)")
+    outs = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for out in outs:
+        out["tmp"] = tmp
+    return outs
+
+
+def close(a, b, rel=1e-5):
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
+
+
+def test_ddp_statistics_on_rank_0_equal_one_process_on_the_whole_batch(ranks):
+    got, ref = ranks[0]["ddp"]["steps"], ranks[0]["ddp"]["ref"]
+    assert len(got) == len(ref) == 3
+    for g, r in zip(got, ref):
+        for name, stats in r["act"].items():
+            for stat in ("mean", "std", "min", "max", "zero_frac", "numel", "sampled"):
+                assert close(g["act"][name][stat], stats[stat]), (name, stat)
+        for name, stats in r["grad"].items():
+            for stat in ("norm", "rms", "absmax", "numel"):
+                assert close(g["grad"][name][stat], stats[stat]), (name, stat)
+        for name, stats in r["param"].items():
+            for stat in ("norm", "grad_norm", "update_ratio"):
+                assert close(g["param"][name].get(stat), stats.get(stat)), (name, stat)
+        assert close(g["scalars"]["loss"], r["scalars"]["loss"])
+
+
+def test_ddp_names_modules_as_the_wrapped_model_and_every_rank_agrees(ranks):
+    assert ranks[0]["ddp"]["modules"] == ["0", "1", "2", "3", "4"]
+    # rank 1 holds the same global records, though only rank 0 writes the log
+    assert ranks[1]["ddp"]["steps"][2]["param"] == ranks[0]["ddp"]["steps"][2]["param"]
+    assert ranks[1]["ddp"]["steps"][2]["act"] == ranks[0]["ddp"]["steps"][2]["act"]
+
+
+def test_exactly_one_collective_per_step(ranks):
+    assert ranks[0]["ddp"]["collectives"] == 3
+    assert ranks[0]["fsdp"]["collectives"] == 2
+
+
+def test_only_rank_0_writes_the_log(ranks):
+    logs = sorted((ranks[0]["tmp"] / "ddp").glob("**/hookscope.jsonl"))
+    assert len(logs) == 1 and logs[0].parent.name == "ddp"
+    records = hs.read_log(logs[0])
+    assert records[0]["settings"]["world"] == 2 and records[0]["settings"]["sync"] is True
+    assert len([r for r in records if r["type"] == "step"]) == 3
+
+
+def test_a_nan_on_one_rank_is_found_on_every_rank_and_names_it(ranks):
+    for r in range(WORLD):
+        # the first one; later steps find the NaN weights the logged step left behind
+        findings = [f for f in ranks[r]["nan_log"]["findings"] if f["kind"] == "nonfinite"]
+        assert findings[:1] == [
+            {"kind": "nonfinite", "module": "0", "rank": 1, "op": "aten.log", "step": 1}
+        ], r
+
+
+def test_raise_stops_every_rank_at_the_same_step_before_the_update(ranks):
+    for r in range(WORLD):
+        seen = ranks[r]["nan_raise"]
+        assert seen["raised_at"] == 1
+        assert seen["error"] == {"module": "0", "rank": 1, "op": "aten.log"}
+        assert seen["unchanged"] is True
+
+
+def test_fsdp2_parameter_norms_and_update_ratios_equal_the_unsharded_model(ranks):
+    fsdp = ranks[0]["fsdp"]
+    assert fsdp["sharded"] == "DTensor"
+    for g, r in zip(fsdp["steps"], fsdp["ref"], strict=True):
+        assert set(g["param"]) == set(r["param"])
+        for name, stats in r["param"].items():
+            for stat in ("norm", "grad_norm", "update_ratio"):
+                assert close(g["param"][name].get(stat), stats.get(stat)), (name, stat)
+        for name, stats in r["act"].items():
+            assert close(g["act"][name]["mean"], stats["mean"]), name
+
+
+def test_ranks_that_build_different_monitors_get_an_error_not_a_hang(ranks):
+    for r in range(WORLD):
+        assert "different model or with other settings" in ranks[r]["mismatch"]
