@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -33,13 +32,18 @@ class Log(nn.Module):
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
 
 
 def batches(steps: int, per_rank: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(WORLD * per_rank, 6, generator=g), torch.randn(WORLD * per_rank, 3, generator=g))
+        (
+            torch.randn(WORLD * per_rank, 6, generator=g),
+            torch.randn(WORLD * per_rank, 3, generator=g),
+        )
         for _ in range(steps)
     ]
 
@@ -161,12 +165,18 @@ def scenario_fsdp(rank: int, out: dict, tmp: Path) -> None:
 
 
 def scenario_mismatch(rank: int, out: dict, tmp: Path) -> None:
-    """Ranks that build different Monitors get an error, not a hang."""
+    """Ranks that build different Monitors get an error, not a hang; sync=False keeps one
+    log per rank."""
     try:
         hs.Monitor(mlp(), every=1 if rank == 0 else 5).close()
         out["mismatch"] = None
     except hs.HookscopeError as e:
         out["mismatch"] = str(e)
+    model = mlp()
+    with hs.Monitor(model, every=1, log_dir=tmp / "local", sync=False) as mon:
+        model(torch.randn(4, 6) * (rank + 1)).sum().backward()
+        mon.step()
+    out["local_mean"] = steps_of(mon)[0]["act"]["0"]["mean"]
 
 
 def worker(rank: int, tmp: str) -> None:
@@ -185,7 +195,9 @@ def worker(rank: int, tmp: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("dist")
-    ctx = mp.start_processes(worker, args=(str(tmp),), nprocs=WORLD, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        worker, args=(str(tmp),), nprocs=WORLD, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -209,7 +221,7 @@ def close(a, b, rel=1e-5):
 def test_ddp_statistics_on_rank_0_equal_one_process_on_the_whole_batch(ranks):
     got, ref = ranks[0]["ddp"]["steps"], ranks[0]["ddp"]["ref"]
     assert len(got) == len(ref) == 3
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         for name, stats in r["act"].items():
             for stat in ("mean", "std", "min", "max", "zero_frac", "numel", "sampled"):
                 assert close(g["act"][name][stat], stats[stat]), (name, stat)
@@ -274,3 +286,13 @@ def test_fsdp2_parameter_norms_and_update_ratios_equal_the_unsharded_model(ranks
 def test_ranks_that_build_different_monitors_get_an_error_not_a_hang(ranks):
     for r in range(WORLD):
         assert "different model or with other settings" in ranks[r]["mismatch"]
+
+
+def test_sync_false_keeps_one_log_per_rank_with_local_statistics(ranks):
+    tmp = ranks[0]["tmp"]
+    assert sorted(p.parent.name for p in (tmp / "local").glob("*/hookscope.jsonl")) == [
+        "rank0",
+        "rank1",
+    ]
+    assert hs.read_log(tmp / "local" / "rank1")[0]["settings"]["rank"] == 1
+    assert ranks[0]["local_mean"] != ranks[1]["local_mean"]

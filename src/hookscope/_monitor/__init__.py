@@ -498,6 +498,8 @@ class Monitor:
     def _report(self, found: list[Finding], *, before_update: bool) -> list[Finding]:
         """Keep and log the findings not seen before, record the first of each chosen kind;
         return them."""
+        if self._coll is None and self.rank is not None:  # sync=False: this rank's own
+            found = [dataclasses.replace(f, rank=self.rank) for f in found]
         new = [f for f in found if self._diagnosis.first_time(f)]
         self.findings.extend(new)
         for finding in new:

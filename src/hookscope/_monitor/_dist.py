@@ -171,7 +171,9 @@ class Collective:
                     value.reshape(-1).to(**f64) if has else torch.full((entry.size,), fill, **f64)
                 )
             else:
-                summed.append(value.reshape(-1).to(**f64) if has else torch.zeros(entry.size, **f64))
+                summed.append(
+                    value.reshape(-1).to(**f64) if has else torch.zeros(entry.size, **f64)
+                )
         head = [bits, torch.tensor([float(step), scalars_digest], **f64), *extremes]
         block = torch.cat(head)
         width = block.numel()
@@ -197,13 +199,13 @@ class Collective:
         digests = {blocks[r * width + 4] for r in range(self.world)}
         if len(set(info.steps)) > 1 or len(digests) > 1:
             what = (
-                f"step() was called {info.steps} times"
+                f"their Monitors are at steps {info.steps}"
                 if len(set(info.steps)) > 1
-                else "step() got scalars of different names"
+                else "step() got tensor scalars of different names"
             )
             raise HookscopeError(
-                f"the ranks are out of step: {what} on ranks 0..{self.world - 1}. Call "
-                "mon.step() once per training step on every rank, with the same scalars."
+                f"the ranks are out of step: {what}. Call mon.step() once per training step "
+                "on every rank, with the same scalars."
             )
         host: Host = {}
         at_sum, at_ext = 0, 5
@@ -248,9 +250,7 @@ class Collective:
 
 
 def _info(blocks: list[float], world: int, width: int) -> RankInfo:
-    bad = [
-        tuple(bool(blocks[r * width + p]) for p in range(len(PHASES))) for r in range(world)
-    ]
+    bad = [tuple(bool(blocks[r * width + p]) for p in range(len(PHASES))) for r in range(world)]
     return RankInfo(bad=bad, steps=[int(blocks[r * width + 3]) for r in range(world)])
 
 
