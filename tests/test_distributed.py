@@ -99,7 +99,7 @@ def scenario_ddp(rank: int, out: dict, tmp: Path) -> None:
 
 def scenario_nan(rank: int, out: dict, tmp: Path) -> None:
     """A NaN made on rank 1 only (log of a negative number)."""
-    for mode in ("log", "raise"):
+    for mode in ("log", "raise", "skip"):
         torch.manual_seed(0)
         model = nn.Sequential(Log(), nn.Linear(6, 8), nn.Linear(8, 3))
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -115,6 +115,8 @@ def scenario_nan(rank: int, out: dict, tmp: Path) -> None:
                     loss = ddp(x).sum()
                     loss.backward()
                     opt.step()
+                    if step == 1:
+                        seen["unchanged"] = bool(torch.equal(before, model[1].weight))
                     opt.zero_grad()
                     mon.step(loss=loss)
                 except hs.NonFiniteError as e:
@@ -269,6 +271,16 @@ def test_raise_stops_every_rank_at_the_same_step_before_the_update(ranks):
         assert seen["raised_at"] == 1
         assert seen["error"] == {"module": "0", "rank": 1, "op": "aten.log"}
         assert seen["unchanged"] is True
+
+
+def test_skip_skips_the_update_on_every_rank_and_training_goes_on(ranks):
+    for r in range(WORLD):
+        seen = ranks[r]["nan_skip"]
+        assert seen["raised_at"] is None and seen["unchanged"] is True
+        nonfinite = [f for f in seen["findings"] if f["kind"] == "nonfinite"]
+        assert nonfinite == [
+            {"kind": "nonfinite", "module": "0", "rank": 1, "op": "aten.log", "step": 1}
+        ]
 
 
 def test_fsdp2_parameter_norms_and_update_ratios_equal_the_unsharded_model(ranks):
