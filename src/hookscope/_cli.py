@@ -116,6 +116,47 @@ def _parser() -> _Parser:
         help="a function that builds the model the same way as the recorded run",
     )
     rep.set_defaults(run=_replay)
+
+    wat = sub.add_parser(
+        "watch",
+        help="run a training command unchanged and monitor the model(s) it trains",
+        usage="hookscope watch [options] -- COMMAND [ARGS...]",
+        description="Run COMMAND (python train.py ..., torchrun ...) unchanged, with a Monitor "
+        "on every model whose parameters its optimizers step, found through torch's global "
+        "optimizer hooks. Writes DIR/hookscope.jsonl and DIR/report.html (a second model: "
+        "DIR/<ModelClass>/), also when the command crashes or is killed; prints the findings "
+        "as they come; exits with the command's exit status (128 + N if killed by signal N).",
+        epilog="example: hookscope watch --every 50 -- python train.py --lr 3e-4",
+    )
+    wat.add_argument(
+        "--out",
+        default="hookscope-watch",
+        metavar="DIR",
+        help="log directory (default: %(default)s)",
+    )
+    wat.add_argument(
+        "--every",
+        type=_positive_int,
+        default=10,
+        metavar="N",
+        help="statistics every N optimizer steps (default: %(default)s)",
+    )
+    wat.add_argument(
+        "--where",
+        action="append",
+        metavar="W",
+        help="modules to watch, a name or glob such as 'encoder.*' (repeatable; default: every "
+        "leaf module)",
+    )
+    wat.add_argument(
+        "--on-nonfinite",
+        choices=["log", "raise", "skip"],
+        default="log",
+        help="on a NaN/Inf: log it, raise NonFiniteError in the script, or skip that update "
+        "(default: %(default)s)",
+    )
+    wat.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    wat.set_defaults(run=_watch, parser=wat)
     return root
 
 
@@ -225,6 +266,23 @@ def _replay(args: argparse.Namespace) -> int:
         )
     print(replay(args.bundle, model))
     return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from ._watch import watch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        args.parser.error(
+            "watch needs a command to run after '--', e.g. hookscope watch -- python train.py"
+        )
+    return watch(
+        command,
+        out=args.out,
+        every=args.every,
+        where=args.where,
+        on_nonfinite=args.on_nonfinite,
+    )
 
 
 def _print_table(result: Any) -> None:

@@ -94,7 +94,9 @@ class Monitor:
             (activations over every rank's micro-batch, output gradients of the averaged
             loss, parameter norms and update ratios of the whole, unsharded model, tensor
             scalars averaged); findings are then the same on every rank, a ``nonfinite`` one
-            names the rank where it started, and rank 0 alone writes ``log_dir``.
+            names the rank where it started, and rank 0 alone writes ``log_dir``. With
+            ``on_nonfinite="raise"`` or ``"skip"``, a second, tiny collective before each
+            update lets every rank take the same decision there.
             ``False``: per-rank statistics, each rank's log in ``log_dir/rank{k}``.
 
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
