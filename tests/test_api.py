@@ -38,7 +38,7 @@ def test_import_hookscope_imports_no_optional_dependency() -> None:
         "before = set(sys.modules)\n"
         "import hookscope\n"
         "heavy = ['matplotlib', 'tensorboard', 'rich', 'tqdm', 'sklearn', 'transformers',"
-        " 'torch._dynamo', 'numpy']\n"
+        " 'accelerate', 'lightning', 'pytorch_lightning', 'torch._dynamo', 'numpy']\n"
         "print([m for m in heavy if m in sys.modules and m not in before])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -101,3 +101,19 @@ def test_everything_after_the_hook_is_plain_data() -> None:
         assert not reached & RUNS_A_MODEL, (start, reached & RUNS_A_MODEL)
     for start in ("_log.py", "_diagnose.py"):
         assert "torch" not in _closure(start), start
+
+
+FRAMEWORKS = {"lightning", "pytorch_lightning", "transformers", "accelerate"}
+
+
+def test_only_the_integrations_import_a_training_framework() -> None:
+    """``import hookscope`` reaches no integration module, and only ``integrations/<name>.py``
+    names a training framework (imported at its top: the user opts in by importing it)."""
+    reached = _closure("__init__.py")
+    assert not {m for m in reached if m.startswith("integrations/")}
+    for path in SRC.rglob("*.py"):
+        name = str(path.relative_to(SRC))
+        if name not in ("integrations/lightning.py", "integrations/transformers.py"):
+            assert not _imports(path) & FRAMEWORKS, name
+    assert {"lightning", "pytorch_lightning"} <= _imports(SRC / "integrations/lightning.py")
+    assert "transformers" in _imports(SRC / "integrations/transformers.py")

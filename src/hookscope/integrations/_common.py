@@ -1,0 +1,124 @@
+"""What the trainer integrations share: Monitor options checked when the callback is made,
+the compact subset of a run sent to the framework's own loggers, and the end of a run.
+
+Nothing here imports a training framework.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from .._diagnose import Thresholds
+from .._errors import HookscopeWarning, did_you_mean
+from .._log import LOG_NAME
+from .._monitor import Monitor
+from .._report import report
+
+__all__ = ["Window", "check_options", "close_and_report"]
+
+PREFIX = "hookscope/"
+
+
+def check_options(options: dict[str, Any], taken: dict[str, str]) -> dict[str, Any]:
+    """``options`` for ``hs.Monitor``, checked when the callback is made rather than when
+    training starts. ``taken``: options the callback sets itself, with the reason."""
+    signature = inspect.signature(Monitor).parameters
+    names = [n for n, p in signature.items() if p.kind is not p.VAR_KEYWORD and n != "model"]
+    allowed = [*names, *(f.name for f in fields(Thresholds))]
+    for key in options:
+        if key in taken:
+            raise TypeError(f"HookscopeCallback() does not take {key}=: {taken[key]}")
+        if key not in allowed:
+            raise TypeError(
+                f"HookscopeCallback() got an unexpected keyword argument {key!r}"
+                f"{did_you_mean(key, allowed)}. It takes the options of hs.Monitor: "
+                f"{', '.join(names)}, and threshold fields (see hs.Thresholds)."
+            )
+    return dict(options)
+
+
+def last_step(monitor: Monitor) -> dict[str, Any] | None:
+    """The record of the step the Monitor closed last (findings and events follow it)."""
+    for record in reversed(monitor.records):
+        if record.get("type") == "step":
+            return record if record.get("step") == monitor.step_count - 1 else None
+    return None
+
+
+def total_grad_norm(record: dict[str, Any]) -> float | None:
+    """The norm of all the model's gradients as one vector (what ``clip_grad_norm_``
+    measures), from a sampled step's per-parameter norms."""
+    norms = [
+        s["grad_norm"] for s in record.get("param", {}).values() if s.get("grad_norm") is not None
+    ]
+    return math.sqrt(math.fsum(n * n for n in norms)) if norms else None
+
+
+class Window:
+    """The compact subset for a framework's loggers, over the steps since it was last read:
+    the mean loss (unfiltered: a NaN stays NaN), the total gradient norm of the last sampled
+    step (before clipping), the number of findings so far and of those new in the window."""
+
+    def __init__(self) -> None:
+        self._seen = 0  # findings already counted in an earlier window
+        self._reset()
+
+    def _reset(self) -> None:
+        self._losses: list[float] = []
+        self._grad_norm: float | None = None
+        self._sampled = False
+
+    def add(self, monitor: Monitor) -> None:
+        """Take in the step the Monitor just closed."""
+        record = last_step(monitor)
+        if record is None:
+            return
+        loss = record.get("scalars", {}).get("loss")
+        if loss is not None:
+            self._losses.append(float(loss))
+        if record.get("sampled"):
+            self._sampled = True
+            self._grad_norm = total_grad_norm(record)
+
+    def fresh(self, monitor: Monitor) -> bool:
+        """A sampled step or a new finding since the last read."""
+        return self._sampled or len(monitor.findings) > self._seen
+
+    def read(self, monitor: Monitor) -> dict[str, float]:
+        """The metrics, keys prefixed ``hookscope/``; starts a new window."""
+        out: dict[str, float] = {}
+        if self._losses:
+            out["loss"] = math.fsum(self._losses) / len(self._losses)
+        if self._grad_norm is not None:
+            out["grad_norm"] = self._grad_norm
+        # Counted here, not from step()'s return: a non-finite finding is made just before
+        # the optimizer's update, ahead of the step() that closes its step.
+        out["findings"] = float(len(monitor.findings))
+        out["new_findings"] = float(len(monitor.findings) - self._seen)
+        self._seen = len(monitor.findings)
+        self._reset()
+        return {PREFIX + key: value for key, value in out.items()}
+
+
+def close_and_report(monitor: Monitor, log_dir: str | Path | None, *, write: bool) -> Path | None:
+    """Close ``monitor`` (every hook removed) and, if ``write``, write the HTML report of
+    its log. A report that fails warns instead of raising: the training run itself is done,
+    and the report can be written again from the log."""
+    monitor.close()
+    if not write or log_dir is None or not (Path(log_dir) / LOG_NAME).is_file():
+        return None
+    try:
+        return report(log_dir)
+    except Exception as exc:
+        warnings.warn(
+            f"hookscope could not write the report of {str(log_dir)!r} ({exc!r}). The log is "
+            f"intact; write the report with `hookscope report {log_dir}`.",
+            HookscopeWarning,
+            stacklevel=2,
+        )
+        return None
