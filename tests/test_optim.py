@@ -212,3 +212,34 @@ def test_not_an_optimizer_is_refused_with_the_fix() -> None:
     with pytest.raises(TypeError, match="pass nothing"):
         hs.Monitor(model, optimizer=object())
     assert_no_hooks(model)
+
+
+@pytest.mark.parametrize("pass_optimizer", [False, True])
+def test_read_gradients_before_clipping_logs_the_unclipped_gradients(pass_optimizer):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(32, 8), torch.randn(32, 4) * 100
+    with hs.Monitor(model, every=1) as mon:
+        for _ in range(3):
+            nn.functional.mse_loss(model(x), y).backward()
+            mon.read_gradients(opt if pass_optimizer else None)
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+            norms = [s["grad_norm"] for s in mon.records[-1]["param"].values()]
+            assert total > 1  # clipping changed the gradients a lot
+            assert sum(n**2 for n in norms) ** 0.5 == pytest.approx(total, rel=1e-5)
+    assert_no_hooks(model)
+
+
+def test_step_returns_a_finding_made_before_the_update():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hs.Monitor(model, every=None) as mon:
+        model(torch.full((4, 8), float("nan"))).sum().backward()
+        opt.step()  # the non-finite check runs here, before the update
+        assert [f.kind for f in mon.step()] == ["nonfinite"]
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        assert mon.step() == []

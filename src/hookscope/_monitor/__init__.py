@@ -190,6 +190,7 @@ class Monitor:
         self._returned: set[int] = set()  # outputs that a container returned
         self._updates = self._skipped = 0
         self._nonfinite: Finding | None = None  # this step's, once found
+        self._early: list[Finding] = []  # this step's findings from before the update
         self.record_dir = None if record_dir is None else Path(record_dir)
         self.record_on = tuple(record_on)
         self._recorded: set[str] = set()
@@ -272,9 +273,16 @@ class Monitor:
         """This step's gradients are final now (accumulated, unscaled): read them here
         instead of just before the update. Call it before ``clip_grad_norm_`` to log the
         gradients clipping would hide (the trainer integrations do). ``optimizer`` defaults
-        to every adopted one."""
-        for opt in [optimizer] if optimizer is not None else self._optim.optimizers:
-            self._optim.read_now(opt)
+        to every adopted one; before any optimizer has stepped the model (its first step),
+        the gradients of all the model's parameters are read."""
+        if optimizer is not None:
+            self._optim.read_now(optimizer)
+        elif self._optim.optimizers:
+            for opt in self._optim.optimizers:
+                self._optim.read_now(opt)
+        else:
+            self._read_grads(None, list(self._params.params))
+            self._optim.read_now(None)
 
     # -- hooks -----------------------------------------------------------------------------
     def _on_forward(
@@ -323,9 +331,9 @@ class Monitor:
         if self.sampled:
             self._grads.backward(self._buf, name, grad)
 
-    def _read_grads(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+    def _read_grads(self, optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
         if self.sampled:
-            self._params.read_grads(self._buf, names, stepped=True)
+            self._params.read_grads(self._buf, names, stepped=optimizer is not None)
         self._trail.parameters(self._buf, self._params.params, names)
 
     def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
@@ -341,7 +349,7 @@ class Monitor:
                 host = self._buf.to_host(only=lambda key: key[0] == "flag")
                 self._nonfinite = self._agreed(host, info)
             if self._nonfinite is not None:
-                self._report(self._with_overflow(self._nonfinite), before_update=True)
+                self._early = self._report(self._with_overflow(self._nonfinite), before_update=True)
                 if self.on_nonfinite == "raise":
                     raise self._error(self._nonfinite)
         if self._nonfinite is None or self.on_nonfinite != "skip":
@@ -438,11 +446,11 @@ class Monitor:
                 f"step {step}: optimizer.step() did not run (e.g. GradScaler skipped it after "
                 "finding Inf/NaN gradients)",
             )
-        nonfinite = self._nonfinite
+        nonfinite, early = self._nonfinite, self._early
         self._end_step()
         if self.on_nonfinite == "raise" and nonfinite is not None and nonfinite in new:
             raise self._error(nonfinite)
-        return new
+        return early + new
 
     def _layout(self, sampled: bool, scalars: list[str]) -> list[Entry]:
         """What the step's collective carries, in an order every rank derives alike."""
@@ -576,6 +584,7 @@ class Monitor:
         self._made, self._got_grad, self._returned = {}, set(), set()
         self._updates = self._skipped = 0
         self._nonfinite = None
+        self._early = []
         self.step_count += 1
 
     # -- records and lifetime ----------------------------------------------------------------

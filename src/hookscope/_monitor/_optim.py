@@ -65,6 +65,7 @@ class OptimizerWatch:
         self._cache: dict[int, tuple[weakref.ref, int, list[str]]] = {}
         self._hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._read_early: set[int] = set()  # optimizers whose gradients were read already
+        self._read_all = False  # every parameter's gradient was read already
         self.adopted: list[weakref.ref[torch.optim.Optimizer]] = []
         hooks.optimizer_step_pre_global(self._pre)
         hooks.optimizer_step_post_global(self._post)
@@ -113,10 +114,14 @@ class OptimizerWatch:
 
     def read_now(self, optimizer: Any) -> None:
         """This step's gradients of ``optimizer``'s parameters are final now (a trainer
-        calls this before it clips them): read them here, not again before the update."""
+        calls this before it clips them): read them here, not again before the update.
+        ``None``: the caller read every parameter's gradient itself (no optimizer known yet)."""
+        if optimizer is None:
+            self._read_all = True
+            return
         opt = unwrap(optimizer)
         names = self._names(opt)
-        if names and id(opt) not in self._read_early:
+        if names and id(opt) not in self._read_early and not self._read_all:
             self._grads(opt, names)
             self._read_early.add(id(opt))
 
@@ -124,11 +129,12 @@ class OptimizerWatch:
         """A new step: gradients read early by the last one (whose update was skipped, say)
         are stale."""
         self._read_early.clear()
+        self._read_all = False
 
     def _final_grads(self, opt: torch.optim.Optimizer, names: list[str]) -> None:
         if id(opt) in self._read_early:
             self._read_early.discard(id(opt))
-        else:
+        elif not self._read_all:
             self._grads(opt, names)
         if self._check(opt, names):
             hidden = [(p, p.grad) for group in opt.param_groups for p in group["params"]]
