@@ -181,13 +181,30 @@ def scenario_mismatch(rank: int, out: dict, tmp: Path) -> None:
     out["local_mean"] = steps_of(mon)[0]["act"]["0"]["mean"]
 
 
+def scenario_rank0_only(rank: int, out: dict, tmp: Path) -> None:
+    """The mistake that hangs wandb.watch (wandb#7423): a Monitor built on rank 0 only.
+    (Last: the timed-out collective stays pending on rank 0.)"""
+    from hookscope._monitor import _dist
+
+    _dist.HANDSHAKE_TIMEOUT = 3.0
+    out["rank0_only"] = None
+    if rank == 0:
+        try:
+            hs.Monitor(mlp()).close()
+        except hs.HookscopeError as e:
+            out["rank0_only"] = str(e)
+    else:
+        time.sleep(5)
+
+
 def worker(rank: int, tmp: str) -> None:
     tmp = Path(tmp)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
     out: dict = {}
     try:
-        for scenario in (scenario_ddp, scenario_nan, scenario_fsdp, scenario_mismatch):
+        scenarios = (scenario_ddp, scenario_nan, scenario_fsdp, scenario_mismatch)
+        for scenario in (*scenarios, scenario_rank0_only):
             scenario(rank, out, tmp)
     finally:
         (tmp / f"rank{rank}.json").write_text(json.dumps(out, default=str))
@@ -298,6 +315,11 @@ def test_fsdp2_parameter_norms_and_update_ratios_equal_the_unsharded_model(ranks
 def test_ranks_that_build_different_monitors_get_an_error_not_a_hang(ranks):
     for r in range(WORLD):
         assert "different model or with other settings" in ranks[r]["mismatch"]
+
+
+def test_a_monitor_built_on_rank_0_only_fails_with_a_clear_error_not_a_hang(ranks):
+    assert "the other ranks did not build a Monitor within 3 s" in ranks[0]["rank0_only"]
+    assert "sync=False" in ranks[0]["rank0_only"]
 
 
 def test_sync_false_keeps_one_log_per_rank_with_local_statistics(ranks):
