@@ -1,0 +1,345 @@
+"""The child side of ``hookscope watch``: find the models a script trains and monitor them.
+
+The start-up hook (``_boot/sitecustomize.py``) calls :meth:`Agent.before_step` from a global
+optimizer step pre-hook. At the first step of an optimizer the agent looks for the top-level
+modules owning its parameters (one scan of the garbage collector's objects, by ``type(o)``:
+``isinstance`` on torch's deprecated proxies warns), and attaches one :class:`Monitor` per
+model from a pre-hook on that optimizer, which torch runs later in the same ``step()``. (A
+global hook registered while torch iterates the global hooks would break that iteration.)
+
+Log layout: the first model to be stepped logs to ``out``, every further one to
+``out/<ModelClass>`` (``-2``, ``-3`` for a class seen twice), each a Monitor ``log_dir``.
+
+Step boundary: after the optimizer step, from a global post-hook registered after the
+Monitor's own (so the update has been measured). A model stepped by several optimizers gets
+one step per round, once every optimizer that steps it has stepped; one that steps again
+before the round is complete ends the round early and the round shrinks to what really steps.
+
+The loss, when it can be told: ``output.loss`` of the model (Hugging Face), or else the one
+scalar that a top-level parameter-free ``nn`` loss module returned with gradients on since the
+model's last step (none when several did: which one the script backpropagated is unknown).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._errors import NonFiniteError
+from ._hooks import HookSet
+from ._monitor import Monitor
+
+__all__ = ["ENV", "Agent", "Settings"]
+
+ENV = "HOOKSCOPE_WATCH"
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList)  # no forward of their own: look inside
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)  # the model is `.module`
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``hookscope watch`` passes to every process of the command (``HOOKSCOPE_WATCH``)."""
+
+    out: str
+    every: int | None = 10
+    where: list[str] | None = None
+    on_nonfinite: str = "log"
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, text: str) -> Settings:
+        return cls(**json.loads(text))
+
+
+@dataclass(eq=False)
+class _Watched:
+    """One model and its Monitor, with the optimizers that step it."""
+
+    model: nn.Module
+    monitor: Monitor
+    log_dir: Path
+    optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    stepped: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # since its last step()
+    own_loss: torch.Tensor | None = None  # output.loss of the model, since its last step()
+    losses: list[torch.Tensor] = field(default_factory=list)  # from loss modules, same window
+    skip_post: bool = False
+    broken: bool = False
+
+
+@dataclass(eq=False)
+class _Pending:
+    """Models found at an optimizer's first step, to attach later in that same step."""
+
+    models: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    hooks: HookSet
+    done: bool = False
+
+
+class Agent:
+    """Everything ``hookscope watch`` does inside one process of the watched command."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.watched: list[_Watched] = []
+        self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._loss_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._hooks = HookSet("hookscope watch")
+        self._pid = os.getpid()
+        self._exit_handlers = False
+        self._previous_sigterm: Any = None
+        self._off = False
+
+    @classmethod
+    def from_env(cls, text: str) -> Agent:
+        return cls(Settings.from_env(text))
+
+    # -- every optimizer step -------------------------------------------------------------
+    def before_step(self, opt: torch.optim.Optimizer) -> None:
+        """From the start-up hook's global pre-hook, before every ``optimizer.step()``."""
+        if self._off or os.getpid() != self._pid:  # a fork of the training process
+            return
+        for w in self.watched:
+            if opt in w.stepped:  # it steps again before the round was complete
+                w.optimizers = weakref.WeakSet(w.stepped)
+                self._end_step(w)
+        if opt in self._seen:
+            return
+        self._seen.add(opt)
+        try:
+            self._discover(opt)
+        except Exception as exc:  # never break the user's training
+            self._fail(f"cannot find the model stepped by {type(opt).__name__}", exc)
+
+    def _discover(self, opt: torch.optim.Optimizer) -> None:
+        models, losses, optimizers = _scan(opt)
+        new = []
+        for model in models:
+            known = next((w for w in self.watched if w.model is model), None)
+            if known is not None:
+                known.optimizers.add(opt)
+            else:
+                new.append(model)
+        self._hook_losses(losses)
+        if new:  # attach from a hook on this optimizer: torch runs it later in this step()
+            pending = _Pending(new, optimizers, HookSet("hookscope watch: attach"))
+            pending.hooks.optimizer_step_pre(opt, functools.partial(self._attach, pending))
+
+    def _attach(
+        self, pending: _Pending, opt: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> None:
+        if pending.done:  # once, even if this step raised before the hook was removed
+            return
+        pending.done = True
+        for model in pending.models:
+            try:
+                self._watch(model, pending, opt)
+            except Exception as exc:  # never break the user's training
+                self._fail(f"cannot watch {type(model).__name__}", exc)
+
+    def _watch(self, model: nn.Module, pending: _Pending, opt: torch.optim.Optimizer) -> None:
+        log_dir = self._log_dir(model)
+        try:
+            monitor = Monitor(
+                model,
+                where=self.settings.where,
+                every=self.settings.every,
+                on_nonfinite=self.settings.on_nonfinite,
+                log_dir=log_dir,
+            )
+        except Exception as exc:  # a --where that matches nothing here, a compiled model
+            first = (str(exc) or type(exc).__name__).splitlines()[0]
+            sys.stderr.write(f"hookscope watch: not watching {type(model).__name__}: {first}\n")
+            return
+        w = _Watched(model, monitor, log_dir)
+        params = {id(p) for p in model.parameters()}
+        for o in [opt, *pending.optimizers]:  # the round: every optimizer that steps this model
+            if any(id(p) in params for g in o.param_groups for p in g["params"]):
+                w.optimizers.add(o)
+        self.watched.append(w)
+        self._hooks.forward(model, functools.partial(self._model_output, w))
+        self._hooks.optimizer_step_post_global(
+            functools.partial(self._after_step, w, pending.hooks)
+        )
+        self._install_exit_handlers()
+        # The Monitor came too late for this step's forward and backward. With one optimizer,
+        # step 0 is logged now: gradient and weight norms before this update (whose end is
+        # then not a step boundary). With several, step 0 ends with the round, as any does.
+        if len(w.optimizers) == 1:
+            w.skip_post = True
+            monitor.attach_optimizer(opt)  # for the learning rate
+            monitor.step()
+        else:
+            monitor.read_gradients(opt)
+            w.stepped.add(opt)
+
+    def _log_dir(self, model: nn.Module) -> Path:
+        """``out`` for the first model, ``out/<ModelClass>`` (``-2``, ...) for the others."""
+        out = Path(self.settings.out)
+        if not self.watched:
+            return out
+        taken = {w.log_dir for w in self.watched}
+        base, n = type(model).__name__, 1
+        path = out / base
+        while path in taken:
+            n += 1
+            path = out / f"{base}-{n}"
+        return path
+
+    def _after_step(self, w: _Watched, once: HookSet, opt: Any, args: Any, kwargs: Any) -> None:
+        once.remove()
+        if w.broken or opt not in w.optimizers or os.getpid() != self._pid:
+            return
+        if w.skip_post:  # the step during which the Monitor was attached: it is logged
+            w.skip_post = False
+            return
+        w.stepped.add(opt)
+        if all(o in w.stepped for o in w.optimizers):
+            self._end_step(w)
+
+    def _end_step(self, w: _Watched) -> None:
+        w.stepped = weakref.WeakSet()
+        loss = (
+            w.own_loss if w.own_loss is not None else (w.losses[0] if len(w.losses) == 1 else None)
+        )
+        w.own_loss, w.losses = None, []
+        try:
+            w.monitor.step(**({"loss": loss} if loss is not None else {}))
+        except NonFiniteError:
+            raise  # on_nonfinite="raise": the script stops here, as asked
+        except Exception as exc:
+            w.broken = True
+            self._fail(f"stopped watching {type(w.model).__name__}", exc)
+
+    # -- the loss ---------------------------------------------------------------------------
+    def _hook_losses(self, modules: list[nn.Module]) -> None:
+        for module in modules:
+            if module not in self._loss_modules:
+                self._loss_modules.add(module)
+                self._hooks.forward(module, self._loss_output)
+
+    def _loss_output(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _is_loss(output):
+            for w in self.watched:
+                if len(w.losses) < 2:  # one is the loss; two are ambiguous
+                    w.losses.append(output.detach())
+
+    def _model_output(
+        self, w: _Watched, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if _is_loss(loss):
+            w.own_loss = loss.detach()
+
+    # -- the end ----------------------------------------------------------------------------
+    def _install_exit_handlers(self) -> None:
+        if self._exit_handlers:
+            return
+        self._exit_handlers = True
+        atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Flush the logs, then let SIGTERM do what it did before: the previous handler, or
+        die by the signal (the exit status the parent and launchers expect)."""
+        previous = self._previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+            return
+        if previous == signal.SIG_IGN:
+            return
+        self.close(finish=False)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def close(self, *, finish: bool = True) -> None:
+        """Close every Monitor (at exit); ``finish`` first ends a round of optimizer steps
+        still open. Only in the process that attached them, not in a fork."""
+        if self._off or os.getpid() != self._pid:
+            return
+        self._off = True
+        self._hooks.remove()
+        # Under several ranks, a step at exit could meet another rank's unrelated collective.
+        finish = finish and not (dist.is_available() and dist.is_initialized())
+        for w in self.watched:
+            try:
+                if finish and len(w.stepped) and not w.broken:
+                    w.monitor.step()
+            except Exception:
+                pass  # the log keeps every step already ended
+            finally:
+                w.monitor.close()
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        sys.stderr.write(f"hookscope watch: {what}: {type(exc).__name__}: {exc}\n")
+
+
+def _is_loss(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value.requires_grad
+        and value.is_floating_point()
+    )
+
+
+def _scan(opt: torch.optim.Optimizer) -> tuple[list[nn.Module], list[nn.Module], list[Any]]:
+    """The models owning ``opt``'s parameters (top-level modules; wrappers and containers
+    looked through), the top-level parameter-free loss modules, and every optimizer."""
+    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    modules, optimizers = [], []
+    for obj in gc.get_objects():
+        kind = type(obj)  # never isinstance(): torch's deprecated proxies warn on __class__
+        if issubclass(kind, nn.Module):
+            modules.append(obj)
+        elif issubclass(kind, torch.optim.Optimizer):
+            optimizers.append(obj)
+    children = {id(c) for m in modules for c in _children(m)}
+    tops = [m for m in modules if id(m) not in children]
+    models: list[nn.Module] = []
+    for top in tops:
+        for model in _models_in(top, stepped):
+            if all(model is not m for m in models):
+                models.append(model)
+    losses = [m for m in tops if issubclass(type(m), nn.modules.loss._Loss) and not _params(m)]
+    return models, losses, optimizers
+
+
+def _children(module: nn.Module) -> list[nn.Module]:
+    found = vars(module).get("_modules")  # missing in a module whose __init__ is still running
+    return [c for c in found.values() if c is not None] if isinstance(found, dict) else []
+
+
+def _params(module: nn.Module) -> set[int]:
+    try:
+        return {id(p) for p in module.parameters()}
+    except AttributeError:  # not initialised yet
+        return set()
+
+
+def _models_in(module: nn.Module, stepped: set[int]) -> list[nn.Module]:
+    if not _params(module) & stepped:
+        return []
+    if issubclass(type(module), _WRAPPERS):
+        return _models_in(module.module, stepped)
+    if issubclass(type(module), _CONTAINERS):
+        return [m for child in _children(module) for m in _models_in(child, stepped)]
+    return [module]
