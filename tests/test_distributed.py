@@ -8,10 +8,12 @@ the assertions run here, in the test process.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,16 +67,18 @@ def train(model, data, mon, rank=None, lr=0.1):
         mon.step(loss=loss)
 
 
-def scenario_ddp(rank: int, out: dict, tmp: Path) -> None:
-    torch.manual_seed(0)
-    base = mlp()
-    data = batches(3)
-    # The oracle: one process on the whole batch (sync=False: nothing is combined).
-    ref_model = copy.deepcopy(base)
-    with hs.Monitor(ref_model, every=1, sample=None, sync=False) as ref:
-        train(ref_model, data, ref)
-    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    calls = []
+def reference(base: nn.Module, data: list) -> list[dict]:
+    """The oracle: one process on the whole batch (sync=False: nothing is combined)."""
+    model = copy.deepcopy(base)
+    with hs.Monitor(model, every=1, sample=None, sync=False) as ref:
+        train(model, data, ref)
+    return steps_of(ref)
+
+
+@contextlib.contextmanager
+def counting_all_reduce() -> Iterator[list[int]]:
+    """Counts the calls of ``dist.all_reduce`` (DDP's own reductions do not go through it)."""
+    calls: list[int] = []
     real = dist.all_reduce
 
     def counting(*args, **kwargs):
@@ -83,15 +87,23 @@ def scenario_ddp(rank: int, out: dict, tmp: Path) -> None:
 
     dist.all_reduce = counting
     try:
-        with hs.Monitor(ddp, every=1, sample=None, log_dir=tmp / "ddp") as mon:
-            built = len(calls)
-            train(ddp, data, mon, rank=rank)
+        yield calls
     finally:
         dist.all_reduce = real
+
+
+def scenario_ddp(rank: int, out: dict, tmp: Path) -> None:
+    torch.manual_seed(0)
+    base = mlp()
+    data = batches(3)
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    with hs.Monitor(ddp, every=1, sample=None, log_dir=tmp / "ddp") as mon:
+        with counting_all_reduce() as calls:
+            train(ddp, data, mon, rank=rank)
     out["ddp"] = {
         "steps": steps_of(mon),
-        "ref": steps_of(ref),
-        "collectives": len(calls) - built,
+        "ref": reference(base, data),
+        "collectives": len(calls),
         "modules": sorted(mon.modules),
         "findings": len(mon.findings),
     }
@@ -137,30 +149,17 @@ def scenario_fsdp(rank: int, out: dict, tmp: Path) -> None:
     torch.manual_seed(0)
     base = mlp()
     data = batches(2)
-    ref_model = copy.deepcopy(base)
-    with hs.Monitor(ref_model, every=1, sample=None, sync=False) as ref:
-        train(ref_model, data, ref)
     model = copy.deepcopy(base)
     for layer in model:
         if any(p.requires_grad for p in layer.parameters()):
             fully_shard(layer)
     fully_shard(model)
-    calls = []
-    real = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
     with hs.Monitor(model, every=1, sample=None, log_dir=tmp / "fsdp") as mon:
-        dist.all_reduce = counting
-        try:
+        with counting_all_reduce() as calls:
             train(model, data, mon, rank=rank)
-        finally:
-            dist.all_reduce = real
     out["fsdp"] = {
         "steps": steps_of(mon),
-        "ref": steps_of(ref),
+        "ref": reference(base, data),
         "collectives": len(calls),
         "sharded": type(next(model.parameters())).__name__,
     }
