@@ -472,10 +472,9 @@ class Monitor:
     def _agreed(self, host: Host, info: RankInfo) -> Finding | None:
         """The non-finite finding every rank agrees on: the rank where the value first
         went bad localises (and traces) it and hands it to the others."""
-        origin = info.origin()
-        if origin is None:
+        rank = info.origin()
+        if rank is None:
             return None
-        rank, _ = origin
         finding = None
         if self._coll.rank == rank:
             finding = self._traced(self._trail.localise(host, self.step_count))

@@ -59,14 +59,14 @@ class RankInfo:
     bad: list[tuple[bool, bool, bool]]  # per rank: NaN/Inf in (forward, backward, param grads)
     steps: list[int]
 
-    def origin(self) -> tuple[int, str] | None:
-        """The rank (and phase) where a NaN/Inf first appeared: a bad forward pass comes
-        before a bad backward pass, which comes before gradients made bad by the all-reduce
-        (DDP spreads one rank's NaN gradient to every rank); the lowest rank on a tie."""
-        for p, phase in enumerate(PHASES):
+    def origin(self) -> int | None:
+        """The rank where a NaN/Inf first appeared: a bad forward pass comes before a bad
+        backward pass, which comes before gradients made bad by the all-reduce (DDP spreads
+        one rank's NaN gradient to every rank); the lowest rank on a tie."""
+        for p in range(len(PHASES)):
             for rank, bits in enumerate(self.bad):
                 if bits[p]:
-                    return rank, phase
+                    return rank
         return None
 
 
