@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 import pytest
@@ -191,12 +192,12 @@ class Outer(nn.Module):
         return self.block(torch.tanh(self.block(x)))
 
 
-def traced(model, x, steps=1, loss=lambda out: out.square().mean(), **kw):
+def traced(model, x, steps=1, loss=lambda out: out.square().mean(), every=1, call=None, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with hs.Monitor(model, every=1, **kw) as mon:
+    with hs.Monitor(model, every=every, **kw) as mon:
         for _ in range(steps):
             opt.zero_grad()
-            loss(model(x)).backward()
+            loss((call or model)(x)).backward()
             opt.step()
             mon.step()
     return next(f for f in mon.findings if f.kind == "nonfinite")
@@ -285,3 +286,37 @@ def test_an_overflowing_attention_score_in_gpt2_is_traced_into_transformers() ->
     assert finding.phase == "forward" and finding.op in ("aten.bmm", "aten.matmul")
     assert finding.module == "transformer.h.1.attn"
     assert "modeling_gpt2.py" in finding.source
+
+
+@pytest.mark.parametrize(
+    "inner", [Log(), SqrtAtZero(), Exp(), Normalise()], ids=["log", "sqrt", "exp", "div"]
+)
+def test_unsampled_steps_name_the_same_module_as_sampled_ones(inner) -> None:
+    """On unsampled steps, ReLU/max-pool/dropout/flatten outputs are flagged by their
+    inputs' flags and their gradients not at all (they cannot make a NaN/Inf): the finding
+    must not move."""
+    found = {}
+    for every, taped in itertools.product((1, None), (True, False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Dropout(0.2),
+            nn.Flatten(),
+            nn.Linear(8 * 4 * 4, 8),
+            copy.deepcopy(inner),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(8, 4),
+        )
+        # Called through .forward(), the root's hooks do not run: nothing is taped, so no
+        # replay refines the finding, and the flags alone must name the module.
+        call = model if taped else model.forward
+        finding = traced(model, torch.randn(16, 1, 8, 8) + 2, every=every, call=call)
+        found[every, taped] = (finding.module, finding.phase, finding.op is not None)
+        assert_no_hooks(model)
+    assert found[None, True] == found[1, True] == (*found[1, False][:2], True)
+    assert found[None, False] == found[1, False]
+    assert found[None, False][0] == "7"

@@ -34,7 +34,7 @@ from .._tree import tensors
 from .._version import __version__
 from ._buffer import Host, StepBuffer
 from ._dist import Collective, Entry, RankInfo, digest
-from ._nonfinite import NonFiniteTrail
+from ._nonfinite import PASS_THROUGH, NonFiniteTrail
 from ._optim import OptimizerWatch
 from ._probes import Activations, BatchNorms, OutputGrads, Params
 from ._trace import Tape, trace
@@ -151,6 +151,7 @@ class Monitor:
         self._coll = Collective() if distributed and sync is not False else None
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
         self.modules: dict[str, nn.Module] = select(model, where if where is not None else _is_leaf)
+        self._pass_through = {n for n, m in self.modules.items() if isinstance(m, PASS_THROUGH)}
         self.findings: list[Finding] = []
         self.step_count = 0
         self._model = model
@@ -300,18 +301,21 @@ class Monitor:
             return
         if not outs:
             return
-        outs = self._trail.forward(self._buf, name, tensors(args), outs)
+        sampled = self.sampled
+        light = not sampled and name in self._pass_through
+        outs = self._trail.forward(self._buf, name, tensors(args), outs, pass_through=light)
         if not outs:  # it returned its input: an alias of the module that made it
             return
         if torch.is_grad_enabled():
-            if self.sampled:
+            if sampled:
                 self._made[name] = {t.data_ptr() for t in outs if t.requires_grad}
-            self._hook_grads(name, outs)
+            if not light:
+                self._hook_grads(name, outs)
         else:
             self._no_grad_names.add(name)
             if self._tape.grad_enabled:  # no_grad inside the model's own forward
                 self._trail.detached.add(name)
-        if self.sampled and module.training:
+        if sampled and module.training:
             self._acts.forward(self._buf, name, outs)
 
     def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:

@@ -18,7 +18,34 @@ from .._stats import norms
 from ._buffer import Host, StepBuffer
 from ._dist import local
 
-__all__ = ["Flag", "NonFiniteTrail"]
+__all__ = ["PASS_THROUGH", "Flag", "NonFiniteTrail"]
+
+# Modules that cannot make a NaN/Inf from finite values, forward or backward (they select,
+# scale by at most a constant, bound or reshape): on unsampled steps their output is flagged
+# by its input's flag, with no reduction of their own, and their gradient is not flagged (the
+# module whose backward computed it is the next flag's). Sampled steps read them as any other.
+PASS_THROUGH = (
+    torch.nn.ReLU,
+    torch.nn.ReLU6,
+    torch.nn.LeakyReLU,
+    torch.nn.Hardtanh,
+    torch.nn.Tanh,
+    torch.nn.Sigmoid,
+    torch.nn.Softsign,
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.MaxPool1d,
+    torch.nn.MaxPool2d,
+    torch.nn.MaxPool3d,
+    torch.nn.AdaptiveMaxPool1d,
+    torch.nn.AdaptiveMaxPool2d,
+    torch.nn.AdaptiveMaxPool3d,
+    torch.nn.Flatten,
+    torch.nn.Unflatten,
+    torch.nn.Identity,
+)
 
 
 @dataclass(frozen=True)
@@ -53,10 +80,18 @@ class NonFiniteTrail:
         self._storage.clear()
 
     def forward(
-        self, buf: StepBuffer, name: str, inputs: list[torch.Tensor], outs: list[torch.Tensor]
+        self,
+        buf: StepBuffer,
+        name: str,
+        inputs: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        *,
+        pass_through: bool = False,
     ) -> list[torch.Tensor]:
         """Flag the output of ``name``; return its outputs that are new tensors (an output
-        that is one of its inputs, unchanged, is an alias: one point, not two)."""
+        that is one of its inputs, unchanged, is an alias: one point, not two). With
+        ``pass_through`` (a module in :data:`PASS_THROUGH`) and one input flag, the output's
+        flag is that input's value: finite in, finite out."""
         fed = []
         for t in inputs:
             known = self._known(t)
@@ -75,8 +110,10 @@ class NonFiniteTrail:
         new = [t for t in outs if passed.get(id(t), (None, None))[1] != t._version]
         if not new:
             return []
-        sums = [t.detach().sum() for t in new]
-        total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+        total = buf.value(("flag", fed[0])) if pass_through and len(fed) == 1 else None
+        if total is None:
+            sums = [t.detach().sum() for t in new]
+            total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
         index = self._add(buf, Flag("forward", name, tuple(fed)), total)
         for t in new:
             self._made_by[id(t)] = (index, t._version, weakref.ref(t))
