@@ -372,3 +372,16 @@ def test_every_none_checks_nonfinite_only() -> None:
     assert not any(r["sampled"] for r in steps) and "act" not in steps[0]
     assert steps[0]["scalars"] == {"loss": 1.0, "lr": 0.1}
     assert [(f.kind, f.module, f.step) for f in mon.findings] == [("nonfinite", "risky", 3)]
+
+
+def test_a_model_without_children_is_watched_itself() -> None:
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with hs.Monitor(model, every=1) as mon:
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        mon.step()
+    step = mon.records[1]
+    assert list(mon.modules) == [""] and step["act"][""]["numel"] == 16
+    assert step["param"]["weight"]["update_ratio"] > 0
+    assert_no_hooks(model)

@@ -668,4 +668,5 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _is_leaf(name: str, module: nn.Module) -> bool:
-    return bool(name) and next(iter(module.children()), None) is None
+    """A module without children (the model itself, when it has none: ``nn.Linear``)."""
+    return next(iter(module.children()), None) is None
