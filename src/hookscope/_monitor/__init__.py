@@ -62,7 +62,8 @@ class Monitor:
 
     Args:
         model: The model. Hooks are removed by ``close()`` or at the end of a ``with`` block.
-        where: Modules to watch; by default every leaf module (``hs.Tap`` included).
+        where: Modules to watch; by default every leaf module (``hs.Tap`` included; the
+            model itself when it has no children).
         every: Sample statistics every ``every`` steps (step 0 is sampled); ``None``: only
             the non-finite check, on every step.
         sample: On sampled steps, compute each tensor's statistics from at most this many of
