@@ -54,6 +54,7 @@ class StepBuffer:
         return len(self._values)
 
     def pending_keys(self) -> list[Hashable]:
+        """The keys whose values wait for the next transfer."""
         return list(self._values)
 
     def value(self, key: Hashable) -> torch.Tensor | None:

@@ -244,7 +244,9 @@ class Collective:
         return vector.tolist()
 
     def _device(self) -> torch.device:
-        if dist.get_backend() == "nccl":
+        """Where the collective's vector lives: CUDA when NCCL serves the group (alone, or
+        as in ``"cpu:gloo,cuda:nccl"``), else the CPU."""
+        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
