@@ -99,14 +99,19 @@ class Collective:
     def __init__(self) -> None:
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
+        # Where the collective's vector lives: CUDA when NCCL serves the group (alone, or as
+        # in "cpu:gloo,cuda:nccl"), else the CPU.
+        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
 
     def handshake(self, description: str) -> None:
         """Check that every rank built a Monitor on the same model with the same settings;
         a clear error (not a hang) when they did not."""
         mine = digest(description)
-        block = torch.zeros(self.world, dtype=torch.float64, device=self._device())
-        block[self.rank] = mine
-        work = dist.all_reduce(block, async_op=True)
+        vector = self._slot(torch.tensor([mine], dtype=torch.float64, device=self.device))
+        work = dist.all_reduce(vector, async_op=True)
         try:
             work.wait(timeout=datetime.timedelta(seconds=HANDSHAKE_TIMEOUT))
         except RuntimeError as e:
@@ -116,7 +121,7 @@ class Collective:
                 "same Monitor (it combines statistics with one collective per step); pass "
                 "sync=False for independent per-rank logs."
             ) from e
-        others = [r for r, d in enumerate(block.tolist()) if d != mine]
+        others = [r for r, d in enumerate(vector.tolist()) if d != mine]
         if others:
             raise HookscopeError(
                 f"rank {self.rank}: ranks {others} built a Monitor on a different model or with "
@@ -135,16 +140,17 @@ class Collective:
         for phase in PHASES:
             values = groups[phase]
             if values:
-                total = torch.cat([v.to(self._device(), torch.float64) for v in values]).sum()
+                total = torch.cat([v.to(self.device, torch.float64) for v in values]).sum()
                 bits.append((~torch.isfinite(total)).to(torch.float64).reshape(1))
             else:
-                bits.append(torch.zeros(1, dtype=torch.float64, device=self._device()))
+                bits.append(torch.zeros(1, dtype=torch.float64, device=self.device))
         return torch.cat(bits)
 
     def agree_bad(self, bits: torch.Tensor, step: int) -> RankInfo:
         """Only the non-finite bits (before an update that may have to be stopped)."""
-        flat = self._reduce_blocks(torch.cat([bits, bits.new_tensor([float(step)])]))
-        return _info(flat, self.world, 4)
+        vector = self._slot(torch.cat([bits, bits.new_tensor([float(step)])]))
+        dist.all_reduce(vector)
+        return _info(vector.tolist(), self.world, 4)
 
     def exchange(
         self,
@@ -156,8 +162,7 @@ class Collective:
     ) -> tuple[Host, RankInfo]:
         """The whole step: the global values of ``layout`` plus this rank's own values of
         every other key, from one ``all_reduce`` and one device-to-host transfer."""
-        device = self._device()
-        f64 = dict(dtype=torch.float64, device=device)
+        f64 = dict(dtype=torch.float64, device=self.device)
         summed: list[torch.Tensor] = []
         presence: list[float] = []
         extremes: list[torch.Tensor] = []
@@ -177,15 +182,7 @@ class Collective:
         head = [bits, torch.tensor([float(step), scalars_digest], **f64), *extremes]
         block = torch.cat(head)
         width = block.numel()
-        vector = torch.cat(
-            [
-                *summed,
-                torch.tensor(presence, **f64),
-                torch.zeros(self.rank * width, **f64),
-                block,
-                torch.zeros((self.world - self.rank - 1) * width, **f64),
-            ]
-        )
+        vector = torch.cat([*summed, torch.tensor(presence, **f64), self._slot(block)])
         dist.all_reduce(vector)
         rest = buf.pending_keys()
         parts = [buf.take(k).reshape(-1) for k in rest]
@@ -236,19 +233,12 @@ class Collective:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
-    def _reduce_blocks(self, block: torch.Tensor) -> list[float]:
+    def _slot(self, block: torch.Tensor) -> torch.Tensor:
+        """``block`` in this rank's slot of a vector of ``world`` such blocks, zeros in the
+        others: after a SUM every rank holds every rank's block."""
         width = block.numel()
-        vector = torch.zeros(self.world * width, dtype=torch.float64, device=block.device)
-        vector[self.rank * width : (self.rank + 1) * width] = block
-        dist.all_reduce(vector)
-        return vector.tolist()
-
-    def _device(self) -> torch.device:
-        """Where the collective's vector lives: CUDA when NCCL serves the group (alone, or
-        as in ``"cpu:gloo,cuda:nccl"``), else the CPU."""
-        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        before, after = self.rank * width, (self.world - self.rank - 1) * width
+        return torch.cat([block.new_zeros(before), block, block.new_zeros(after)])
 
 
 def _info(blocks: list[float], world: int, width: int) -> RankInfo:
