@@ -150,6 +150,7 @@ class Monitor:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if distributed else None
         self._coll = Collective() if distributed and sync is not False else None
+        self._world = self._coll.world if self._coll is not None else 1  # combined ranks
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
         self.modules: dict[str, nn.Module] = select(model, where if where is not None else _is_leaf)
         self._pass_through = {n for n, m in self.modules.items() if isinstance(m, PASS_THROUGH)}
@@ -166,9 +167,7 @@ class Monitor:
             dead_min=(self.thresholds.dead_min_units, self.thresholds.dead_min_samples),
             bins=bins if histograms else None,
         )
-        self._grads = OutputGrads(
-            sampler, self.modules, world=self._coll.world if self._coll else 1
-        )
+        self._grads = OutputGrads(sampler, self.modules, world=self._world)
         self._params = Params(model, sampler)
         sharded = any(v is not None for v in self._params.sharded.values())
         if sharded and record_dir is not None:
@@ -184,6 +183,7 @@ class Monitor:
         self._layouts: dict[tuple, list[Entry]] = {}
         self._bns = BatchNorms(model)
         shapes = {n: list(p.shape) for n, p in self._params.params.items()}
+        watched = {n: type(m).__name__ for n, m in self.modules.items()}
         types = {n: type(m).__name__ for n, m in model.named_modules()}
         self._diagnosis = Diagnosis(self.thresholds, shapes, types)
         self._no_grad_names: set[str] = set()
@@ -238,8 +238,8 @@ class Monitor:
             }
             if self._coll is not None:
                 layout = {
-                    "modules": {n: type(m).__name__ for n, m in self.modules.items()},
-                    "params": {n: list(p.shape) for n, p in self._params.params.items()},
+                    "modules": watched,
+                    "params": shapes,
                     "bn": list(self._bns.modules),
                     "settings": settings,
                 }
@@ -250,8 +250,8 @@ class Monitor:
         header = Header(
             hookscope=__version__,
             model=type(model).__name__,
-            modules={n: type(m).__name__ for n, m in self.modules.items()},
-            params={n: list(p.shape) for n, p in self._params.params.items()},
+            modules=watched,
+            params=shapes,
             settings={
                 **settings,
                 "world": dist.get_world_size() if distributed else 1,
@@ -422,9 +422,8 @@ class Monitor:
                 step,
                 digest(",".join(tensor_scalars)),
             )
-        world = self._coll.world if self._coll is not None else 1
         record = StepRecord(step, time.time(), sampled, self._model.training)
-        record.scalars = {k: host[("scalar", k)][0] / world for k in tensor_scalars}
+        record.scalars = {k: host[("scalar", k)][0] / self._world for k in tensor_scalars}
         record.scalars.update(plain)
         record.scalars.update(self._learning_rates())
         if sampled:
