@@ -28,6 +28,7 @@ __all__ = [
     "in_backward_recompute",
     "live_handles",
     "training_mode",
+    "unwrap_parallel",
 ]
 
 # Every HookSet that still holds handles; assert_no_hooks(only_hookscope=True) reads it.
@@ -159,6 +160,14 @@ def _is_optimized_module(model: nn.Module) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
     return optimized is not None and isinstance(model, optimized)
+
+
+def unwrap_parallel(model: nn.Module) -> nn.Module:
+    """The model inside ``DistributedDataParallel`` / ``DataParallel`` (the one whose module
+    names a user knows), or ``model`` itself."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
 
 
 @contextlib.contextmanager

@@ -40,14 +40,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ._errors import NonFiniteError
-from ._hooks import HookSet
+from ._hooks import HookSet, unwrap_parallel
 from ._monitor import Monitor
 
 __all__ = ["ENV", "Agent", "Settings"]
 
 ENV = "HOOKSCOPE_WATCH"
 _CONTAINERS = (nn.ModuleDict, nn.ModuleList)  # no forward of their own: look inside
-_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)  # the model is `.module`
 
 
 @dataclass(frozen=True)
@@ -338,8 +337,9 @@ def _params(module: nn.Module) -> set[int]:
 def _models_in(module: nn.Module, stepped: set[int]) -> list[nn.Module]:
     if not _params(module) & stepped:
         return []
-    if issubclass(type(module), _WRAPPERS):
-        return _models_in(module.module, stepped)
+    inner = unwrap_parallel(module)
+    if inner is not module:
+        return _models_in(inner, stepped)
     if issubclass(type(module), _CONTAINERS):
         return [m for child in _children(module) for m in _models_in(child, stepped)]
     return [module]

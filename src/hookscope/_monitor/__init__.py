@@ -25,7 +25,7 @@ from torch import nn
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds
 from .._errors import NonFiniteError, did_you_mean
-from .._hooks import HookSet, check_not_compiled, in_backward_recompute
+from .._hooks import HookSet, check_not_compiled, in_backward_recompute, unwrap_parallel
 from .._log import LOG_NAME, Event, Header, StepRecord
 from .._select import Where, select
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
@@ -145,7 +145,7 @@ class Monitor:
             raise ValueError(f"on_nonfinite must be 'log', 'raise' or 'skip', got {on_nonfinite!r}")
         self.thresholds = _thresholds(thresholds, threshold_overrides)
         sampler = Sampler(sample)
-        model = _unwrap(model)  # DDP: name modules as the model it wraps (no "module.")
+        model = unwrap_parallel(model)  # DDP: name modules as the model it wraps (no "module.")
         check_not_compiled(model, "Monitor")
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if distributed else None
@@ -658,13 +658,6 @@ _MONITOR_KEYWORDS = (
     "sinks",
     "thresholds",
 )
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside ``DistributedDataParallel`` / ``DataParallel``."""
-    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
 
 
 def _is_leaf(name: str, module: nn.Module) -> bool:
