@@ -17,21 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import transformers
 
+import models  # tests/models.py: this script's directory is on sys.path
 from hookscope.integrations.transformers import HookscopeCallback
 
 
 def main(out: Path) -> None:
     torch.manual_seed(0)  # the same data and model on both ranks; the sampler splits the data
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=100,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    model = models.gpt2(n_embd=32, n_positions=16).train()
     ids = torch.randint(0, 100, (48, 8))
     args = transformers.TrainingArguments(
         output_dir=str(out),

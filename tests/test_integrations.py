@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+import models
 from hookscope.testing import assert_no_hooks
 
 pytestmark = [
@@ -203,16 +204,7 @@ from hookscope.integrations.transformers import HookscopeCallback as HFCallback 
 
 
 def _gpt2() -> nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=100,
-        n_positions=16,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return models.gpt2(n_embd=32, n_positions=16).train()
 
 
 def _tokens(n: int = 24) -> list[dict[str, torch.Tensor]]:
