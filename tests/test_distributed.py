@@ -54,24 +54,32 @@ def steps_of(mon: hs.Monitor) -> list[dict]:
     return [r for r in mon.records if r["type"] == "step"]
 
 
-def train(model, data, mon, rank=None, lr=0.1):
-    """SGD on ``data``; with ``rank``, that rank's half of each batch (DDP averages)."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+def mse(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def train(model, data, mon, rank=None, loss_of=mse, optimizer=sgd):
+    """Train on ``data``; with ``rank``, that rank's half of each batch (DDP averages)."""
+    opt = optimizer(model.parameters())
     for x, y in data:
         if rank is not None:
             x, y = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = loss_of(model, x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         mon.step(loss=loss)
 
 
-def reference(base: nn.Module, data: list) -> list[dict]:
+def reference(base: nn.Module, data: list, **train_kw) -> list[dict]:
     """The oracle: one process on the whole batch (sync=False: nothing is combined)."""
     model = copy.deepcopy(base)
     with hs.Monitor(model, every=1, sample=None, sync=False) as ref:
-        train(model, data, ref)
+        train(model, data, ref, **train_kw)
     return steps_of(ref)
 
 
@@ -119,24 +127,15 @@ def scenario_gpt2(rank: int, out: dict, tmp: Path) -> None:
         torch.randint(0, 100, (WORLD * 2, 16), generator=torch.Generator().manual_seed(s))
         for s in range(2)
     ]
-
-    def run(model, mon, part=None):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for batch in ids:
-            batch = batch if part is None else batch.chunk(WORLD)[part]
-            loss = model(batch, labels=batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mon.step(loss=loss)
-
-    ref_model = copy.deepcopy(base)
-    with hs.Monitor(ref_model, every=1, sample=None, sync=False) as ref:
-        run(ref_model, ref)
+    data = [(batch, batch) for batch in ids]
+    kw = dict(
+        loss_of=lambda model, x, y: model(x, labels=y).loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+    )
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     with hs.Monitor(ddp, every=1, sample=None) as mon:
-        run(ddp, mon, part=rank)
-    out["gpt2"] = {"steps": steps_of(mon), "ref": steps_of(ref)}
+        train(ddp, data, mon, rank=rank, **kw)
+    out["gpt2"] = {"steps": steps_of(mon), "ref": reference(base, data, **kw)}
 
 
 def scenario_nan(rank: int, out: dict, tmp: Path) -> None:
