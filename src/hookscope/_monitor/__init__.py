@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import time
 from collections.abc import Sequence
@@ -634,30 +635,23 @@ def _thresholds(base: Thresholds | None, overrides: dict[str, float]) -> Thresho
     names = [f.name for f in fields(Thresholds)]
     for key in overrides:
         if key not in names:
-            options = [*_MONITOR_KEYWORDS, *names]
+            options = monitor_options()
             raise TypeError(
                 f"Monitor() got an unexpected keyword argument {key!r}"
-                f"{did_you_mean(key, options)}. Monitor options: {', '.join(_MONITOR_KEYWORDS)}; "
+                f"{did_you_mean(key, [*options, *names])}. Monitor options: {', '.join(options)}; "
                 f"threshold fields (see hs.Thresholds): {', '.join(names)}."
             )
     return Thresholds(**{**asdict(base or Thresholds()), **overrides})
 
 
-_MONITOR_KEYWORDS = (
-    "where",
-    "sync",
-    "record_dir",
-    "record_on",
-    "every",
-    "sample",
-    "log_dir",
-    "optimizer",
-    "on_nonfinite",
-    "histograms",
-    "bins",
-    "sinks",
-    "thresholds",
-)
+def monitor_options() -> list[str]:
+    """The options ``hs.Monitor`` takes besides the model and threshold fields, read from its
+    signature (one list for the did-you-mean here and the trainer callbacks' checks)."""
+    return [
+        name
+        for name, p in inspect.signature(Monitor).parameters.items()
+        if name != "model" and p.kind is not p.VAR_KEYWORD
+    ]
 
 
 def _is_leaf(name: str, module: nn.Module) -> bool:

@@ -6,7 +6,6 @@ Nothing here imports a training framework.
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from dataclasses import fields
@@ -16,7 +15,7 @@ from typing import Any
 from .._diagnose import Thresholds
 from .._errors import HookscopeWarning, did_you_mean
 from .._log import LOG_NAME
-from .._monitor import Monitor
+from .._monitor import Monitor, monitor_options
 from .._report import report
 
 __all__ = ["Window", "check_options", "close_and_report"]
@@ -27,8 +26,7 @@ PREFIX = "hookscope/"
 def check_options(options: dict[str, Any], taken: dict[str, str]) -> dict[str, Any]:
     """``options`` for ``hs.Monitor``, checked when the callback is made rather than when
     training starts. ``taken``: options the callback sets itself, with the reason."""
-    signature = inspect.signature(Monitor).parameters
-    names = [n for n, p in signature.items() if p.kind is not p.VAR_KEYWORD and n != "model"]
+    names = monitor_options()
     allowed = [*names, *(f.name for f in fields(Thresholds))]
     for key in options:
         if key in taken:
