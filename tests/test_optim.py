@@ -150,12 +150,7 @@ def test_a_gans_other_optimizer_is_ignored() -> None:
 
 def test_accelerate_wrapped_optimizer() -> None:
     import accelerate
-    from accelerate.state import AcceleratorState, GradientState
 
-    # Accelerate keeps process-wide singletons: a Trainer run earlier in this process (the
-    # integration tests) leaves gradient accumulation state that would skip this step.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     accelerator = accelerate.Accelerator(cpu=True)
