@@ -125,13 +125,14 @@ def test_two_optimizers_on_one_model_are_both_adopted() -> None:
     param = mon.records[1]["param"]
     assert {"grad_norm", "norm", "update_ratio"} <= set(param["0.weight"])
     assert {"grad_norm", "norm", "update_ratio"} <= set(param["2.weight"])
-    assert set(mon.records[1]["scalars"]) == {"lr/0.0", "lr/1.0"}
+    assert set(mon.records[1]["scalars"]) == {"loss", "lr/0.0", "lr/1.0"}  # loss: found
 
 
 def test_a_gans_other_optimizer_is_ignored() -> None:
     generator, discriminator = mlp(), nn.Sequential(nn.Linear(4, 1))
     g_opt = torch.optim.Adam(generator.parameters(), lr=1e-3)
     d_opt = torch.optim.SGD(discriminator.parameters(), lr=0.5)
+    g_losses = []
     with hs.Monitor(generator, every=1) as mon:
         for _ in range(2):
             fake = generator(torch.randn(8, 8))
@@ -139,11 +140,16 @@ def test_a_gans_other_optimizer_is_ignored() -> None:
             discriminator(fake.detach()).mean().backward()
             d_opt.step()
             g_opt.zero_grad()
-            (-discriminator(fake).mean()).backward()
+            g_loss = -discriminator(fake).mean()
+            g_loss.backward()
+            g_losses.append(g_loss.item())
             g_opt.step()
             mon.step()
     assert [ref() for ref in mon._optim.adopted] == [g_opt]
-    assert set(mon.records[1]["scalars"]) == {"lr"}
+    # The generator's loss is found; the discriminator's (on detached fakes) is not its own.
+    assert set(mon.records[1]["scalars"]) == {"loss", "lr"}
+    steps = [r for r in mon.records if r["type"] == "step"]
+    assert [r["scalars"]["loss"] for r in steps] == pytest.approx(g_losses)
     assert mon.records[1]["scalars"]["lr"] == 1e-3
     assert not [r for r in mon.records if r["type"] == "event"]
 

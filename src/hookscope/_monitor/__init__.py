@@ -23,9 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.linalg import vector_norm
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds
-from .._errors import NonFiniteError, did_you_mean
+from .._errors import HookscopeError, NonFiniteError, did_you_mean
 from .._hooks import HookSet, check_not_compiled, in_backward_recompute, unwrap_parallel
 from .._log import LOG_NAME, Event, Header, StepRecord
 from .._select import Where, select
@@ -34,6 +35,7 @@ from .._stats import Sampler
 from .._tree import tensors
 from .._version import __version__
 from ._buffer import Host, StepBuffer
+from ._calls import listen
 from ._dist import Collective, Entry, RankInfo, digest
 from ._nonfinite import PASS_THROUGH, NonFiniteTrail
 from ._optim import OptimizerWatch
@@ -144,6 +146,11 @@ class Monitor:
             )
         if on_nonfinite not in ("log", "raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'log', 'raise' or 'skip', got {on_nonfinite!r}")
+        if log_dir is not None and Path(log_dir).exists() and not Path(log_dir).is_dir():
+            raise HookscopeError(
+                f"log_dir={str(log_dir)!r} is a file, not a directory.\nFix: pass a directory "
+                "for the run's log (it is created when missing), e.g. log_dir='runs/exp1'."
+            )
         self.thresholds = _thresholds(thresholds, threshold_overrides)
         sampler = Sampler(sample)
         model = unwrap_parallel(model)  # DDP: name modules as the model it wraps (no "module.")
@@ -200,6 +207,11 @@ class Monitor:
         self._memory = MemorySink()
         self._sinks: list[Sink] = [self._memory, *sinks]
         self._running: list[tuple[torch.Tensor, torch.Tensor]] = []  # BN stats, for "skip"
+        self._grad_calls = 0  # output gradients seen: did a backward pass reach the model?
+        self._loss: torch.Tensor | None = None  # this step's backpropagated loss
+        self._clip_norms: list[tuple[torch.Tensor, float]] = []  # clip_grad_norm_'s, pre-clip
+        self._listener = _Calls(self)
+        self._stop_listening = lambda: None
         self._hooks = HookSet("Monitor")
         try:
             self._tape = Tape(
@@ -223,6 +235,7 @@ class Monitor:
             )
             if optimizer is not None:
                 self._optim.adopt(optimizer)
+            self._stop_listening = listen(self._listener)
             if distributed and self._coll is None and log_dir is not None:
                 log_dir = Path(log_dir) / f"rank{self.rank}"
             if log_dir is not None and (self._coll is None or self._coll.rank == 0):
@@ -332,6 +345,7 @@ class Monitor:
                 self._hooks.tensor(t, functools.partial(self._on_grad, name))
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> None:
+        self._grad_calls += 1
         self._got_grad.add(name)
         self._trail.backward(self._buf, name, grad)
         if self.sampled:
@@ -402,12 +416,13 @@ class Monitor:
         Returns the findings first seen at this step.
         """
         step, sampled, buf = self.step_count, self.sampled, self._buf
+        scalars = {**self._found_scalars(), **scalars}
         plain: dict[str, float] = {}
         for key, value in scalars.items():
             if isinstance(value, torch.Tensor):
-                buf.set(("scalar", key), value.detach().float().reshape(-1)[:1])
+                buf.set(("scalar", key), _scalar_tensor(key, value))
             else:
-                plain[key] = float(value)
+                plain[key] = _scalar_number(key, value)
         if sampled:
             self._params.collect(buf)
             self._bns.collect(buf)
@@ -456,6 +471,18 @@ class Monitor:
         if self.on_nonfinite == "raise" and nonfinite is not None and nonfinite in new:
             raise self._error(nonfinite)
         return early + new
+
+    def _found_scalars(self) -> dict[str, torch.Tensor]:
+        """The step's loss (the sum of the scalars its backward passes started from) and,
+        when it was clipped, the gradient norm ``clip_grad_norm_`` measured before clipping."""
+        found = {}
+        if self._loss is not None:
+            found["loss"] = self._loss
+        if self._clip_norms:
+            norms = [n.float().reshape(()) for n, _ in self._clip_norms]
+            p = self._clip_norms[0][1]  # several clips (one per model part): their norm
+            found["grad_norm"] = norms[0] if len(norms) == 1 else vector_norm(torch.stack(norms), p)
+        return found
 
     def _layout(self, sampled: bool, scalars: list[str]) -> list[Entry]:
         """What the step's collective carries, in an order every rank derives alike."""
@@ -589,6 +616,7 @@ class Monitor:
         self._updates = self._skipped = 0
         self._nonfinite = None
         self._early = []
+        self._loss, self._clip_norms = None, []
         self.step_count += 1
 
     # -- records and lifetime ----------------------------------------------------------------
@@ -612,6 +640,7 @@ class Monitor:
         """Remove every hook (global optimizer hooks included) and close the sinks. Safe to
         call more than once."""
         self._hooks.remove()
+        self._stop_listening()
         sinks, self._sinks = self._sinks, [self._memory]
         for sink in sinks:
             if sink is not self._memory:
@@ -657,3 +686,57 @@ def monitor_options() -> list[str]:
 def _is_leaf(name: str, module: nn.Module) -> bool:
     """A module without children (the model itself, when it has none: ``nn.Linear``)."""
     return next(iter(module.children()), None) is None
+
+
+def _scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
+    if value.numel() != 1:
+        raise ValueError(
+            f"step({key}=...): a scalar must be a number or a one-element tensor, got a tensor "
+            f"of shape {tuple(value.shape)}. Fix: reduce it first, e.g. {key}={key}.mean()."
+        )
+    return value.detach().float().reshape(1)
+
+
+def _scalar_number(key: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step({key}=...): a scalar must be a number or a one-element tensor, got "
+            f"{type(value).__name__} {value!r:.60}. Fix: pass the value itself, e.g. "
+            f"mon.step({key}=loss) with loss a tensor or a float."
+        ) from None
+
+
+class _Calls:
+    """The Monitor's ears on the calls a training script makes into torch (``_calls.py``):
+    the loss each backward pass started from, and the gradients before they are clipped."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def before_backward(self) -> tuple[int, bool]:
+        m = self.monitor
+        # No gradient on any parameter: a new accumulation starts (zero_grad ran), and the
+        # losses backpropagated before it (a GAN's other phase) are not this step's.
+        fresh = all(p.grad is None for p in m._params.params.values())
+        return m._grad_calls, fresh
+
+    def after_backward(self, token: tuple[int, bool], loss: torch.Tensor | None) -> None:
+        m = self.monitor
+        calls, fresh = token
+        if loss is None or m._grad_calls == calls or m._tape.paused:
+            return  # it did not reach the model, or it is a replay of ours
+        m._loss = loss if fresh or m._loss is None else m._loss + loss.to(m._loss.device)
+
+    def before_clip(self, params: list[torch.Tensor]) -> None:
+        if self._concerns(params):
+            self.monitor.read_gradients()
+
+    def clipped(self, params: list[torch.Tensor], total_norm: torch.Tensor, p: float) -> None:
+        if self._concerns(params):
+            self.monitor._clip_norms.append((total_norm.detach(), p))
+
+    def _concerns(self, params: list[torch.Tensor]) -> bool:
+        owned = self.monitor._params._name
+        return any(id(p) in owned for p in params)

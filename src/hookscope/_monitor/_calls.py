@@ -1,0 +1,177 @@
+"""What a Monitor learns from the calls a training script makes into torch itself.
+
+Hooks on modules and tensors cannot see three things a training step does around the model:
+
+- which scalar was backpropagated (the loss: a loss module's output, ``output.loss``, the
+  ``loss`` of ``logits, loss = model(x, y)``, or ``F.cross_entropy`` in the training loop);
+- the gradients *before* ``clip_grad_norm_`` / ``clip_grad_value_`` change them in place (the
+  optimizer's pre-hook comes too late: a diverging run would log the clip value);
+- the loss behind ``GradScaler.scale(loss)``, which is what is backpropagated under AMP.
+
+So, while at least one Monitor is open (or the process asked to :func:`hold` them, as
+``hookscope watch`` does at start-up, before the script imports ``clip_grad_norm_`` by name),
+``torch.autograd.backward`` (``Tensor.backward`` calls it), the two clipping functions and
+``GradScaler.scale`` are wrapped. A wrapper calls the original unchanged; with no Monitor
+listening it does nothing else. The last Monitor to close puts the originals back.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+from torch.amp import grad_scaler
+
+__all__ = ["Listener", "hold", "listen"]
+
+# The attribute a scaled loss carries: the loss before ``GradScaler.scale``.
+_UNSCALED = "_hookscope_unscaled"
+
+
+class Listener(Protocol):
+    """What a Monitor implements to hear of these calls."""
+
+    def before_backward(self) -> Any:
+        """Called before a backward pass; what it returns is handed to ``after_backward``."""
+
+    def after_backward(self, token: Any, loss: torch.Tensor | None) -> None:
+        """The backward pass ended; ``loss`` is the sum of its scalar roots, unscaled."""
+
+    def before_clip(self, params: list[torch.Tensor]) -> None:
+        """``params``' gradients are about to be clipped in place."""
+
+    def clipped(self, params: list[torch.Tensor], total_norm: torch.Tensor, p: float) -> None:
+        """``clip_grad_norm_`` measured ``total_norm`` (the ``p``-norm) before clipping."""
+
+
+_listeners: list[weakref.ref[Listener]] = []
+_held = False
+
+
+def listen(listener: Listener) -> Callable[[], None]:
+    """Have ``listener`` hear of every backward pass and clip; returns the function that
+    stops it (and puts torch's functions back when nothing listens or holds them)."""
+    ref = weakref.ref(listener)
+    _listeners.append(ref)
+    _install()
+
+    def stop() -> None:
+        if ref in _listeners:
+            _listeners.remove(ref)
+        if not _listeners and not _held:
+            _uninstall()
+
+    return stop
+
+
+def hold() -> None:
+    """Keep the wrappers for the life of the process (``hookscope watch``'s start-up hook:
+    a script that runs ``from torch.nn.utils import clip_grad_norm_`` then binds the wrapper)."""
+    global _held
+    _held = True
+    _install()
+
+
+def _live() -> list[Listener]:
+    return [listener for ref in list(_listeners) if (listener := ref()) is not None]
+
+
+# -- the wrappers ------------------------------------------------------------------------------
+def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        listeners = _live()
+        if not listeners:
+            return original(tensors, *args, **kwargs)
+        tokens = [listener.before_backward() for listener in listeners]
+        result = original(tensors, *args, **kwargs)
+        loss = _loss_of(tensors)
+        for listener, token in zip(listeners, tokens, strict=True):
+            listener.after_backward(token, loss)
+        return result
+
+    return backward
+
+
+def _wrap_clip(original: Callable[..., Any], *, norm: bool) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        listeners = _live()
+        if not listeners:
+            return original(parameters, *args, **kwargs)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for listener in listeners:
+            listener.before_clip(params)
+        result = original(params, *args, **kwargs)
+        if norm and isinstance(result, torch.Tensor):
+            p = float(kwargs.get("norm_type", args[1] if len(args) > 1 else 2.0))
+            for listener in listeners:
+                listener.clipped(params, result, p)
+        return result
+
+    return clip
+
+
+def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        scaled = original(self, outputs)
+        if isinstance(outputs, torch.Tensor) and scaled is not outputs:
+            setattr(scaled, _UNSCALED, outputs)  # dies with the scaled loss
+        return scaled
+
+    return scale
+
+
+def _loss_of(tensors: Any) -> torch.Tensor | None:
+    """The sum of the scalar floating roots of a backward pass, before any GradScaler."""
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    scalars = [
+        getattr(t, _UNSCALED, t).detach()
+        for t in roots
+        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point()
+    ]
+    if not scalars:
+        return None
+    total = scalars[0].reshape(1).float()
+    for t in scalars[1:]:
+        total = total + t.reshape(1).float().to(total.device)
+    return total
+
+
+_TARGETS: list[tuple[Any, str, Callable[[Any], Any]]] = [
+    (torch.autograd, "backward", _wrap_backward),
+    (torch.nn.utils, "clip_grad_norm_", functools.partial(_wrap_clip, norm=True)),
+    (torch.nn.utils.clip_grad, "clip_grad_norm_", functools.partial(_wrap_clip, norm=True)),
+    (torch.nn.utils, "clip_grad_value_", functools.partial(_wrap_clip, norm=False)),
+    (torch.nn.utils.clip_grad, "clip_grad_value_", functools.partial(_wrap_clip, norm=False)),
+    (grad_scaler.GradScaler, "scale", _wrap_scale),
+]
+# (owner, name) -> (torch's function, our wrapper), for what is wrapped now.
+_installed: dict[tuple[Any, str], tuple[Any, Any]] = {}
+
+
+def _install() -> None:
+    wrappers: dict[int, Any] = {}  # one wrapper per function (two modules export clip_grad_*)
+    for owner, name, wrap in _TARGETS:
+        if (owner, name) in _installed:
+            continue
+        original = getattr(owner, name)
+        if id(original) not in wrappers:
+            wrappers[id(original)] = wrap(original)
+        _installed[owner, name] = (original, wrappers[id(original)])
+        setattr(owner, name, wrappers[id(original)])
+
+
+def _uninstall() -> None:
+    """Put torch's functions back, except where someone wrapped ours since: theirs stays,
+    and ours, with no listener, only passes calls through."""
+    for (owner, name), (original, wrapper) in list(_installed.items()):
+        if getattr(owner, name) is wrapper:
+            setattr(owner, name, original)
+            del _installed[owner, name]
