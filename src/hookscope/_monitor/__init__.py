@@ -39,6 +39,7 @@ from ._calls import listen
 from ._dist import Collective, Entry, RankInfo, digest
 from ._nonfinite import PASS_THROUGH, NonFiniteTrail
 from ._optim import OptimizerWatch
+from ._poisoned import PoisonedWeights
 from ._probes import Activations, BatchNorms, OutputGrads, Params
 from ._trace import Tape, trace
 
@@ -177,6 +178,7 @@ class Monitor:
         )
         self._grads = OutputGrads(sampler, self.modules, world=self._world)
         self._params = Params(model, sampler)
+        self._poison = PoisonedWeights(self._params.params)
         sharded = any(v is not None for v in self._params.sharded.values())
         if sharded and record_dir is not None:
             raise ValueError(
@@ -361,7 +363,7 @@ class Monitor:
         if self._nonfinite is None:
             if self._coll is None:
                 host = self._buf.to_host()
-                self._nonfinite = self._traced(self._trail.localise(host, self.step_count))
+                self._nonfinite = self._localised(host, self.step_count)
             elif self.on_nonfinite == "log":
                 return False  # found at step(), from the step's one collective
             else:  # every rank must take the same decision before its update
@@ -409,7 +411,12 @@ class Monitor:
 
     # -- the step boundary: one host transfer ------------------------------------------------
     def step(self, **scalars: Any) -> list[Finding]:
-        """Close a training step: log the scalars given (``loss=loss``) and the statistics.
+        """Close a training step: log the scalars given and the statistics.
+
+        ``loss`` need not be given: it is the scalar the step's ``backward()`` started from
+        (summed over the backward passes of an accumulated step, unscaled behind
+        ``GradScaler``), and ``grad_norm`` is the total norm ``clip_grad_norm_`` measured
+        before clipping, when the step clipped. Scalars given here win.
 
         What the hooks gathered moves to the host in one transfer (with an optimizer, the
         non-finite flags already moved just before its update; this carries the rest).
@@ -448,11 +455,14 @@ class Monitor:
         found = []
         if self._nonfinite is None:
             if info is None:
-                self._nonfinite = self._traced(self._trail.localise(host, step))
+                self._nonfinite = self._localised(host, step)
             else:
                 self._nonfinite = self._agreed(host, info)
             if self._nonfinite is not None:
                 found += self._with_overflow(self._nonfinite)
+        poisoned = None
+        if self._nonfinite is not None and not self._skipped:  # the update went ahead
+            poisoned = self._poison.after_update(self._nonfinite, step)
         if sampled:
             self.graph = Graph(
                 frozenset(self._trail.edges), frozenset(self._trail.detached | self._dead_ends())
@@ -460,6 +470,8 @@ class Monitor:
             found += self._diagnosis.sampled(step, record, self.graph)
         self._write(record.to_dict())
         new = self._report(found, before_update=self._updates == 0)
+        if poisoned is not None:  # its own finding, also where its cause named the same module
+            new += self._report([poisoned], before_update=False, always=True)
         if self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:
             self._write_event(
                 "skipped_step",
@@ -509,7 +521,7 @@ class Monitor:
             return None
         finding = None
         if self._coll.rank == rank:
-            finding = self._traced(self._trail.localise(host, self.step_count))
+            finding = self._localised(host, self.step_count)
             if finding is not None:
                 finding = dataclasses.replace(
                     finding,
@@ -517,6 +529,17 @@ class Monitor:
                     message=f"{finding.message} (on rank {rank} of {self._coll.world})",
                 )
         return self._coll.broadcast(finding, rank)
+
+    def _localised(self, host: Host, step: int) -> Finding | None:
+        """This step's non-finite finding, traced to its op; or, where the first NaN/Inf is
+        only weights that an earlier update made non-finite, the one finding saying so
+        (nothing new at every later step)."""
+        finding = self._trail.localise(host, step)
+        if finding is None:
+            return None
+        last = max((f.step for f in self.findings if f.kind == "nonfinite"), default=None)
+        poisoned = self._poison.consequence(finding, step, last)
+        return poisoned if poisoned is not None else self._traced(finding)
 
     def _traced(self, finding: Finding | None) -> Finding | None:
         """``finding`` with the op, phase and source line from a replay of this step under
@@ -536,12 +559,14 @@ class Monitor:
         overflow = self._diagnosis.overflow(nonfinite)
         return [nonfinite] if overflow is None else [overflow, nonfinite]
 
-    def _report(self, found: list[Finding], *, before_update: bool) -> list[Finding]:
-        """Keep and log the findings not seen before, record the first of each chosen kind;
-        return them."""
+    def _report(
+        self, found: list[Finding], *, before_update: bool, always: bool = False
+    ) -> list[Finding]:
+        """Keep and log the findings not seen before (``always``: all of them), record the
+        first of each chosen kind; return them."""
         if self._coll is None and self.rank is not None:  # sync=False: this rank's own
             found = [dataclasses.replace(f, rank=self.rank) for f in found]
-        new = [f for f in found if self._diagnosis.first_time(f)]
+        new = [f for f in found if self._diagnosis.first_time(f) or always]
         self.findings.extend(new)
         for finding in new:
             self._write({"type": "finding", **asdict(finding)})
