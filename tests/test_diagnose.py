@@ -10,14 +10,17 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
+from hookscope._diagnose import mark_cleared
 
 
-def run(model, steps=4, *, lr=1e-2, optim=torch.optim.SGD, x=None, y=None, mse=False, **kw):
+def run(
+    model, steps=4, *, lr=1e-2, optim=torch.optim.SGD, x=None, y=None, mse=False, every=1, **kw
+):
     torch.manual_seed(0)
     x = torch.randn(64, 16) if x is None else x
     y = torch.randint(0, 4, (len(x),)) if y is None else y
     opt = optim(model.parameters(), lr=lr)
-    with hs.Monitor(model, every=1, **kw) as mon:
+    with hs.Monitor(model, every=every, **kw) as mon:
         for _ in range(steps):
             out = model(x)
             loss = (
@@ -125,3 +128,109 @@ def test_a_head_computed_and_thrown_away_is_named_but_one_never_called_is_not() 
     found, mon = run(SpareHeads(), optim=torch.optim.AdamW, lr=1e-3)
     assert found == [("update_ratio", "wasted")]
     assert "thrown away" in mon.findings[0].message
+
+
+# -- spans of training steps, transients, divergence under clipping, clearing ------------------
+
+
+def train_gpt2(steps, *, every, lr, optim=torch.optim.Adam, clip=None, **kw):
+    """A tiny GPT-2 trained on one batch (the loss computed in its forward); with ``clip``,
+    gradients are clipped and their norm before clipping logged as ``grad_norm``."""
+    from models import gpt2
+
+    torch.manual_seed(0)
+    model = gpt2().train()
+    opt = optim(model.parameters(), lr=lr)
+    ids = torch.randint(0, 100, (8, 16))
+    losses = []
+    with hs.Monitor(model, every=every, **kw) as mon:
+        for _ in range(steps):
+            loss = model(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            norm = {}
+            if clip is not None:
+                norm["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            losses.append(loss.item())
+            mon.step(loss=loss, **norm)
+    return mon, losses
+
+
+def replay(records, thresholds=None):
+    """Run a fresh Diagnosis over a log's records as the Monitor does: every step's scalars,
+    then the sampled steps' statistics; returns (findings kept, findings cleared)."""
+    from dataclasses import fields
+
+    from hookscope._diagnose import Diagnosis, Graph
+    from hookscope._log import StepRecord
+
+    header = records[0]
+    diagnosis = Diagnosis(thresholds or hs.Thresholds(), header["params"], header["modules"])
+    kept, cleared = [], []
+    names = {f.name for f in fields(StepRecord)}
+    for r in (r for r in records if r["type"] == "step"):
+        found = diagnosis.training_step(r["step"], r["scalars"])
+        if r["sampled"]:
+            found += diagnosis.sampled(
+                r["step"], StepRecord(**{k: r[k] for k in names}), Graph(frozenset())
+            )
+        kept += [f for f in found if diagnosis.first_time(f)]
+        cleared += diagnosis.cleared()
+    return kept, cleared
+
+
+def test_a_healthy_adam_run_without_warm_up_has_no_finding_whatever_every_is() -> None:
+    for every in (1, 10):  # round 1: 10 update_ratio findings at step 2 with every=1
+        mon, losses = train_gpt2(12, every=every, lr=3e-3)
+        if every == 1:  # Adam's first updates: lr * sign(g), huge for GPT-2's 0.02 weights
+            wte = [r["param"]["transformer.wte.weight"] for r in mon.records[1:4]]
+            assert min(s["update_ratio"] for s in wte) > 0.1
+        assert losses[-1] < 0.8 * losses[0]
+        assert mon.findings == [], every
+
+
+def test_a_too_high_learning_rate_gives_the_same_findings_whatever_every_is() -> None:
+    from models import ResNet
+
+    def findings(every: int) -> set[tuple[str, str]]:
+        torch.manual_seed(0)
+        model = ResNet(width=8)
+        x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+        found, _ = run(model, steps=21, lr=5.0, x=x, y=y, every=every)
+        return set(found)
+
+    assert findings(1) == findings(10) != set()
+
+
+def test_adam_at_a_learning_rate_that_makes_the_loss_rise_is_judged_in_its_first_steps() -> None:
+    mon, losses = train_gpt2(8, every=1, lr=0.3)
+    assert max(losses) > 2 * losses[0]
+    assert {f.kind for f in mon.findings} == {"update_ratio"}
+    assert "too large" in mon.findings[0].message and mon.findings[0].step <= 7
+
+
+def test_a_divergence_that_clipping_hides_is_found_from_the_loss() -> None:
+    for every in (1, 5):
+        mon, losses = train_gpt2(12, every=every, lr=1e4, optim=torch.optim.SGD, clip=1.0)
+        assert losses[2] > 1e4 * losses[0]  # clipped at 1.0, the loss still diverges
+        found, _ = replay(mon.records)
+        assert found[0].kind == "exploding_gradient"
+        assert "loss grew" in found[0].message and "clipping" in found[0].message
+        assert found[0].step == 2, every  # two steps of growth, whatever every is
+        assert "vanishing_gradient" not in {f.kind for f in found}
+
+
+def test_a_finding_clears_when_its_transient_ends() -> None:
+    # Judging Adam's first steps (update_skip=0) makes its transient a finding; it clears.
+    thresholds = hs.Thresholds(update_skip=0, update_span=2)
+    mon, _ = train_gpt2(14, every=1, lr=3e-3, update_skip=0, update_span=2)
+    found, cleared = replay(mon.records, thresholds)
+    assert found and {f.kind for f in found} == {"update_ratio"}
+    assert {(f.kind, f.module, f.step) for f in cleared} == {
+        (f.kind, f.module, f.step) for f in found
+    }
+    for f in cleared:
+        assert f.step < f.cleared_at <= 8 and "cleared at step" in str(f)
+        kept = hs.Finding(**{**f.__dict__, "cleared_at": None})
+        assert mark_cleared([kept], f) == [f]

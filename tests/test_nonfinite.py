@@ -118,12 +118,15 @@ def test_skip_also_undoes_the_failing_forward_on_batchnorm_running_stats() -> No
     assert all(torch.isfinite(b).all() for b in model[2].buffers())
 
 
-def test_log_lets_the_nan_reach_the_weights_and_says_so_next_step() -> None:
+def test_log_lets_the_nan_reach_the_weights_and_says_so_once() -> None:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with hs.Monitor(model, every=1) as mon:
-        train_until_poisoned(model, opt, mon, bad_step=2, steps=4)
-    assert [(f.module, f.step) for f in mon.findings] == [("2", 2), ("0", 3)]
+        train_until_poisoned(model, opt, mon, bad_step=2, steps=5)
+    assert all(not torch.isfinite(p).all() for p in model.parameters())
+    found = [(f.module, f.step, f.phase) for f in mon.findings if f.kind == "nonfinite"]
+    assert found == [("2", 2, "forward"), ("0", 2, "update")]
+    assert "became non-finite in step 2's update" in mon.findings[-1].message
 
 
 def test_skip_with_a_closure_optimizer() -> None:

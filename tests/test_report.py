@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
+import json
 import re
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 import hookscope as hs
 from _synthetic_log import write_log
+from hookscope._log import Cleared
 from hookscope._report._data import load_run
 
 CHROMIUM = shutil.which("chromium") or (
@@ -121,6 +127,72 @@ def test_report_of_a_log_with_only_a_header(tmp_path: Path) -> None:
     )
     html = hs.report(tmp_path).read_text()
     assert "No findings" in html and "0 steps" in html
+
+
+def test_report_separates_current_findings_from_cleared_ones(run_dir: Path, tmp_path: Path) -> None:
+    text = (run_dir / "hookscope.jsonl").read_text()
+    transient = hs.Finding("update_ratio", "fc", 3, 0.4, "updates are too large")
+    lines = [
+        json.dumps({"type": "finding", **asdict(transient)}),
+        json.dumps(asdict(Cleared.of(dataclasses.replace(transient, cleared_at=9)))),
+    ]
+    (tmp_path / "hookscope.jsonl").write_text(text + "\n".join(lines) + "\n")
+    html = hs.report(tmp_path).read_text()
+    findings = html[
+        html.index('id="findings"') : html.index("</section>", html.index('id="findings"'))
+    ]
+    current, cleared = findings.split("Cleared (1)")
+    assert "Findings (2)" in current and "Current (1)" in current
+    assert "<td>bn</td>" in current and "<td>fc</td>" not in current
+    assert "<td>fc</td>" in cleared and ">9</td>" in cleared and "Cleared at" in cleared
+
+
+def test_report_lists_watched_modules_that_never_ran(tmp_path: Path) -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)  # out_proj: by weight
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attn(x, x, x)[0].mean(1))
+
+    model = Attention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hs.Monitor(model, every=1, log_dir=tmp_path) as mon:
+        assert "attn.out_proj" in mon.modules
+        for _ in range(2):
+            loss = model(torch.randn(4, 5, 16)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step(loss=loss)
+    html = hs.report(tmp_path).read_text()
+    assert "Modules that never ran" in html
+    start = html.index('class="never-ran"')
+    never = html[start : html.index("</table>", start)]
+    assert "<td>attn.out_proj</td>" in never and "NonDynamicallyQuantizableLinear" in never
+    assert "<td>head</td>" not in never
+
+
+def test_report_of_a_file_that_is_not_a_hookscope_log_says_so(tmp_path: Path) -> None:
+    other = tmp_path / "metrics.jsonl"
+    other.write_text('{"epoch": 1, "loss": 0.5}\n{"epoch": 2, "loss": 0.4}\n')
+    with pytest.raises(hs.HookscopeError, match=r"metrics.jsonl.*not a hookscope log.*header"):
+        hs.report(other)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(hs.HookscopeError, match=r"empty.jsonl.*not a hookscope log"):
+        hs.report(tmp_path / "empty.jsonl")
+
+
+def test_report_without_a_loss_says_why(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with hs.Monitor(model, every=1, log_dir=tmp_path) as mon:
+        for _ in range(3):
+            model(torch.randn(2, 4))  # forward passes only: no backward, no loss
+            mon.step()
+    html = hs.report(tmp_path).read_text()
+    assert "No loss was logged" in html and "mon.step(loss=loss)" in html
 
 
 # -- in a browser -----------------------------------------------------------------------------

@@ -2,16 +2,22 @@
 
 Thresholds start from the published ones (DeepDiagnosis, ICSE'22; AutoTrainer, ICSE'21) and
 are all parameters of :class:`Thresholds`. Every finding carries its evidence in the message.
+
+A rule judges a condition over a span of *training steps*, not of sampled ones, so ``every``
+changes when a finding is first seen, not whether: the condition must hold on at least two
+observations in a row that lie at least the rule's span apart (span 0: one observation). A
+finding clears the same way: when its condition has failed on two observations in a row, at
+least its span apart; :meth:`Diagnosis.cleared` hands it back with ``cleared_at`` set.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ._log import StepRecord
 
-__all__ = ["Diagnosis", "Finding", "Thresholds"]
+__all__ = ["Diagnosis", "Finding", "Thresholds", "mark_cleared"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,8 @@ class Finding:
         op: For ``nonfinite``, when traced: the first op that produced it (``"aten.log"``).
         source: For ``nonfinite``, when traced: the user's source line that called that op.
         rank: Under ``torch.distributed``: the rank where it first appeared.
+        cleared_at: The first step at which its condition no longer held, once it has stayed
+            away for the rule's span; ``None`` while the finding is current.
     """
 
     kind: str
@@ -40,9 +48,11 @@ class Finding:
     op: str | None = None
     source: str | None = None
     rank: int | None = None
+    cleared_at: int | None = None
 
     def __str__(self) -> str:
-        return f"[step {self.step}] {self.kind} at {self.module!r}: {self.message}"
+        cleared = "" if self.cleared_at is None else f" (cleared at step {self.cleared_at})"
+        return f"[step {self.step}] {self.kind} at {self.module!r}: {self.message}{cleared}"
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,11 @@ class Graph:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a statistic becomes a finding. Defaults and their sources:
+    """When a statistic becomes a finding. Defaults and their sources.
+
+    Spans count training steps (see the module's docstring). The rules on one step's
+    statistics (``dead_units``, ``saturated_units``, ``exploding_gradient`` and
+    ``vanishing_gradient`` by their ratios) have span 0: one sampled step shows them.
 
     Attributes:
         dead_unit: A ReLU unit is dead on a step when at least this fraction of its
@@ -94,8 +108,14 @@ class Thresholds:
             least ``explode_relative / 10`` of their norm (an activation-gradient ratio alone
             also fires on healthy models that normalise a deliberately tiny input, such as
             RWKV's 1e-4 embeddings feeding a LayerNorm).
-        explode_growth: ... or when the total gradient norm and the loss both grow by this
-            factor over the sampled steps so far (divergence).
+        explode_growth / diverge_span: ... or, judged on every training step, when the loss
+            (or the total gradient norm before clipping, the scalar ``grad_norm``, while the
+            loss is not below its first value) stays at least this factor above its lowest
+            value so far for ``diverge_span`` training steps (two observations at least):
+            training diverges. Clipping cannot hide it: it caps the gradients the optimizer
+            sees, not the loss. The lowest value is floored at the first one over this
+            factor (a loss near zero that comes back by a little is no divergence), and a
+            loss that has been <= 0 (policy gradients, GANs) has no scale to grow from.
         vanish_ratio / vanish_rms: ``vanishing_gradient`` when the input-side RMS gradient
             falls below ``vanish_ratio`` of the loss side's (AutoTrainer: 1e-3) and below
             ``vanish_rms`` (AutoTrainer: 1e-4 on norms; DeepDiagnosis: mean |g| < 1e-7) ...
@@ -106,7 +126,19 @@ class Thresholds:
         update_low / update_high: ``update_ratio`` when ||ΔW||/||W|| of a weight matrix or
             kernel stays outside [update_low, update_high] (two orders of magnitude around the
             1e-3 rule of thumb; DeepDiagnosis uses [1e-5, 1e-1]) ...
-        update_patience: ... for this many sampled steps in a row.
+        update_span: ... for this many training steps (two observations at least, whatever
+            ``every`` is; it replaces the round-1 ``update_patience``, counted in sampled
+            steps, which made findings depend on the sampling rate).
+        update_skip: During the first this many training steps with an optimizer update,
+            updates that are too large are judged only while the loss is above its first
+            value: Adam's bias-corrected first updates are about ``lr * sign(g)`` per
+            element, huge for small weights, until its first moment averages over
+            ~1/(1 - beta1) = 10 steps, and a run that learns through them is fine (a learning
+            rate too high for Adam makes the loss rise at once). Steps where a learning rate
+            (the scalars ``lr``, ``lr/*``) is higher than at the step before (a warm-up) are
+            not judged on either side: the ratio follows the schedule there.
+        no_grad_span: ``update_ratio`` (no gradient) when a parameter of a module whose
+            output went on detached had no gradient for this many training steps.
         tiny_rms: Weights whose RMS is below this (zero-initialised cls tokens, gates and
             position tables; deliberately tiny inits) are not judged by ratios to their own
             norm: those ratios are ~1/(t+1) at any learning rate.
@@ -120,17 +152,25 @@ class Thresholds:
     explode_relative: float = 100.0
     explode_ratio: float = 70.0
     explode_growth: float = 1e3
+    diverge_span: int = 1
     vanish_ratio: float = 1e-3
     vanish_rms: float = 1e-4
     vanish_relative: float = 1e-6
     update_low: float = 1e-5
     update_high: float = 1e-1
-    update_patience: int = 3
+    update_span: int = 3
+    update_skip: int = 10
+    no_grad_span: int = 2
     tiny_rms: float = 1e-3
 
 
 class Diagnosis:
-    """Stateful rules: remembers what was reported, and streaks across steps."""
+    """Stateful rules: remembers what was reported, and runs of conditions across steps.
+
+    Call :meth:`training_step` on every step (the loss, ``grad_norm`` and learning-rate
+    rules), then :meth:`sampled` on sampled steps, pass the findings through
+    :meth:`first_time`, and collect :meth:`cleared` after.
+    """
 
     def __init__(
         self,
@@ -143,29 +183,139 @@ class Diagnosis:
         self.shapes = shapes or {}
         self.numel = {name: math.prod(shape) for name, shape in self.shapes.items()}
         self._reported: set[tuple[str, str]] = set()
-        self._streak: dict[str, int] = {}
-        self._no_grad: dict[str, int] = {}
+        self._ratio: dict[str, _Run] = {}  # parameter -> run of "high" / "low" / False
+        self._no_grad: dict[str, _Run] = {}
         self._initial: dict[str, float] = {}  # RMS of each weight when first seen
-        self._first: tuple[float, float] | None = None  # (total grad norm, loss) at the start
+        self._loss, self._norm = _Growth(), _Growth()
+        self._diverging = _Run()
+        self._suspect = ""  # the module with the largest gradient for its weight, last sampled
+        self._last_step = -1
+        self._updated = 0  # training steps with an optimizer update so far
+        self._lrs: dict[str, float] = {}
+        self._warming = False  # a learning rate rose at this step
+        self._made: dict[tuple[str, str], tuple[str, int]] = {}  # key -> (family, span)
+        self._current: dict[tuple[str, str], Finding] = {}
+        self._gone: dict[tuple[str, str], _Run] = {}  # current key -> run of "not seen"
+        self._cleared: list[Finding] = []
 
     def is_new(self, finding: Finding) -> bool:
         return (finding.kind, finding.module) not in self._reported
 
     def first_time(self, finding: Finding) -> bool:
+        """Whether ``finding`` is new (not reported, or reported and cleared since); a new
+        finding made by these rules becomes current, to be cleared when it no longer holds."""
         key = (finding.kind, finding.module)
         if key in self._reported:
             return False
         self._reported.add(key)
+        if key in self._made:
+            self._current[key] = finding
+            self._gone.pop(key, None)
         return True
+
+    def cleared(self) -> list[Finding]:
+        """The current findings whose condition stopped holding for their span since the last
+        call, each as :meth:`first_time` kept it with ``cleared_at`` set (the first step it
+        no longer held at). Their kind and module can be found again after."""
+        done, self._cleared = self._cleared, []
+        return done
+
+    # -- every training step ---------------------------------------------------------------
+    def training_step(
+        self, step: int, scalars: dict[str, float], *, updates: int = 1
+    ) -> list[Finding]:
+        """Findings from the scalars of one training step (``loss``, ``grad_norm``: the total
+        gradient norm before clipping, ``lr``, ``lr/*``), sampled or not. ``updates``: the
+        optimizer updates applied in this step. Call it before :meth:`sampled` on the same
+        step; :meth:`sampled` calls it itself when a step was not seen (then a learning rate
+        and the loss are judged on sampled steps only)."""
+        if step <= self._last_step:
+            return []
+        self._last_step = step
+        self._updated += updates > 0
+        rising = [k for k, v in _lrs(scalars).items() if v > self._lrs.get(k, math.inf) * 1.000001]
+        self._warming = bool(rising)
+        self._lrs.update(_lrs(scalars))
+        found = self._divergence(step, scalars)
+        self._track(step, found, "step")
+        return found
+
+    def _divergence(self, step: int, scalars: dict[str, float]) -> list[Finding]:
+        t = self.t
+        loss, norm = scalars.get("loss"), scalars.get("grad_norm")
+        loss_grew = self._loss.see(loss, t.explode_growth)
+        norm_grew = self._norm.see(norm, t.explode_growth)
+        falling = self._loss.first is not None and loss is not None and loss < self._loss.first
+        grew = max(loss_grew or 0.0, 0.0 if falling else norm_grew or 0.0)
+        if loss_grew is None and (norm_grew is None or falling):
+            return []  # nothing to judge at this step
+        self._diverging.see(step, grew >= t.explode_growth)
+        if not (self._diverging.state and self._diverging.lasted(t.diverge_span)):
+            return []
+        since = self._diverging.since
+        what = []
+        if loss_grew is not None:
+            what.append(
+                f"the loss grew x{loss_grew:.3g} above its lowest value ({self._loss.low:.3g}) "
+                f"to {loss:.3g}"
+            )
+        if norm_grew is not None:
+            what.append(
+                f"the gradient norm before clipping is {norm:.3g} (x{norm_grew:.3g} its lowest, "
+                f"{self._norm.low:.3g})"
+            )
+        where = (
+            f" The largest gradient for its weight was in {self._suspect!r} at the last sampled "
+            "step."
+            if self._suspect
+            else ""
+        )
+        return [
+            Finding(
+                "exploding_gradient",
+                self._suspect,
+                step,
+                grew,
+                f"{' and '.join(what)}, from step {since} to step {step}: training diverges."
+                f"{where} "
+                "Gradient clipping does not stop it (it caps the gradients the optimizer sees, "
+                "not the loss, and keeps their logged norm at the clip value). Lower the "
+                "learning rate, add a warm-up, or check the loss and the data",
+            )
+        ]
+
+    def _track(self, step: int, made: list[Finding], family: str) -> None:
+        """Note the keys ``made`` at ``step`` by one family of rules, and clear the current
+        findings of that family whose condition failed for their span."""
+        here = {(f.kind, f.module) for f in made}
+        for key in here:
+            self._made[key] = (family, self._span(key[0], family))
+        for key, finding in list(self._current.items()):
+            fam, span = self._made[key]
+            if fam != family:
+                continue
+            run = self._gone.setdefault(key, _Run())
+            run.see(step, key not in here)
+            if run.state and run.lasted(span, least=2):
+                del self._current[key]
+                self._reported.discard(key)
+                self._cleared.append(replace(finding, cleared_at=run.since))
+
+    def _span(self, kind: str, family: str) -> int:
+        if family == "step":
+            return self.t.diverge_span
+        return self.t.update_span if kind == "update_ratio" else 0
 
     # -- sampled steps ---------------------------------------------------------------------
     def sampled(self, step: int, record: StepRecord, graph: Graph | None = None) -> list[Finding]:
         """Findings from the statistics of one sampled step."""
         graph = graph or Graph(frozenset())
-        found = self._units(step, record.act)
-        found += self._gradients(step, record, graph)
-        found += self._updates(step, record.param, graph)
-        return found
+        found = self.training_step(step, record.scalars, updates=step - self._last_step)
+        made = self._units(step, record.act)
+        made += self._gradients(step, record, graph)
+        made += self._updates(step, record.param, graph)
+        self._track(step, made, "sampled")
+        return found + made
 
     def _units(self, step: int, act: dict[str, dict[str, float]]) -> list[Finding]:
         found = []
@@ -220,13 +370,20 @@ class Diagnosis:
 
     def _gradients(self, step: int, record: StepRecord, graph: Graph) -> list[Finding]:
         rel = self._relative(record.param, graph)
+        if rel:
+            self._suspect = self._culprit(record, graph, max(rel, key=rel.__getitem__))
         found = self._exploding(step, record, graph, rel)
         if not found:
             everything = self._relative(record.param, graph, normalised=True)
             found = self._exploding(step, record, graph, everything, factor=100.0)
-        if not found:
+        if not found and not self._loss_rose():
             found = self._vanishing(step, record, graph, everything)
         return found
+
+    def _loss_rose(self) -> bool:
+        """The loss is at least halfway (in orders of magnitude) to a divergence: gradients
+        small next to weights that blew up (clipped ones, say) are not vanishing."""
+        return (self._loss.growth or 0.0) >= math.sqrt(self.t.explode_growth)
 
     def _exploding(
         self,
@@ -268,9 +425,6 @@ class Diagnosis:
         self, step: int, record: StepRecord, graph: Graph, rel: dict[str, float], worst: float
     ) -> list[Finding]:
         t = self.t
-        growth = self._growth(record, graph, rel)
-        if growth is not None:
-            return [growth]
         rms = self._rms(record)
         jump = _largest_jump(graph, rms)
         ratio, bottom, top = _side_ratio(graph, rms)
@@ -303,31 +457,6 @@ class Diagnosis:
         if jump is not None and jump[0] >= 4:
             return jump[2]
         return _module_of(top_param) if top_param else ""
-
-    def _growth(self, record: StepRecord, graph: Graph, rel: dict[str, float]) -> Finding | None:
-        norms = [s["grad_norm"] for s in record.param.values() if s.get("grad_norm") is not None]
-        loss = record.scalars.get("loss")
-        if not norms or loss is None or not all(map(math.isfinite, [*norms, loss])):
-            return None
-        total = math.sqrt(sum(n * n for n in norms))
-        if self._first is None:
-            self._first = (total, abs(loss))
-            return None
-        g0, l0 = self._first
-        grew = total / max(g0, 1e-30)
-        if grew < self.t.explode_growth or abs(loss) < self.t.explode_growth * max(l0, 1e-30):
-            return None
-        module = self._culprit(record, graph, max(rel, key=rel.get, default=None))
-        return Finding(
-            "exploding_gradient",
-            module,
-            record.step,
-            grew,
-            f"the total gradient norm grew x{grew:.3g} (from {g0:.3g} to {total:.3g}) and the "
-            f"loss x{abs(loss) / max(l0, 1e-30):.3g} since the first sampled step: training "
-            f"diverges; the largest gradient relative to its weight is in {module!r}. Lower "
-            "the learning rate or clip gradients",
-        )
 
     def _vanishing(
         self, step: int, record: StepRecord, graph: Graph, rel: dict[str, float]
@@ -374,33 +503,50 @@ class Diagnosis:
             ratio = s.get("update_ratio")
             if ratio is None:
                 continue
-            numel, norm = self.numel.get(name), s.get("norm", 0.0)
-            rms = norm / math.sqrt(numel) if numel else math.inf
-            self._initial.setdefault(name, rms)
-            # Started at zero or deliberately tiny: its ratio is ~1/(t+1) at any lr.
-            tiny = min(rms, self._initial[name]) < self.t.tiny_rms
-            no_grad = s.get("grad_norm") == 0.0
-            high, low = ratio > self.t.update_high, ratio < self.t.update_low
-            out = (high and not tiny) or (low and not no_grad)
-            self._streak[name] = self._streak.get(name, 0) + 1 if out else 0
-            if self._streak[name] >= self.t.update_patience:
-                module = _module_of(name)
-                side = "large" if high else "small"
-                found.append(
-                    Finding(
-                        "update_ratio",
-                        module,
-                        step,
-                        ratio,
-                        f"update/weight ratio ||ΔW||/||W|| of {name!r} is {ratio:.3g} for "
-                        f"{self._streak[name]} sampled steps in a row (healthy: about "
-                        f"1e-3, allowed [{self.t.update_low:g}, {self.t.update_high:g}]): "
-                        f"updates are too {side}; "
-                        + ("lower" if high else "raise")
-                        + " the learning rate",
-                    )
-                )
+            run = self._ratio.setdefault(name, _Run())
+            side = self._side(name, s, ratio)
+            if self._warming or (side == "high" and self._adam_transient()):
+                run.forget()  # a transient: not judged, and no run goes on across it
+                continue
+            run.see(step, side)
+            if run.state and run.lasted(self.t.update_span):
+                found.append(self._update_finding(step, name, ratio, run))
         return found
+
+    def _adam_transient(self) -> bool:
+        """Within the first ``update_skip`` updates, and the loss not above its first value
+        (or unknown)."""
+        if self._updated > self.t.update_skip:
+            return False
+        first, now = self._loss.first, self._loss.latest
+        return first is None or now is None or now <= first
+
+    def _side(self, name: str, s: dict[str, float], ratio: float) -> str | bool:
+        """``"high"``, ``"low"``, or False when the ratio says nothing wrong."""
+        numel, norm = self.numel.get(name), s.get("norm", 0.0)
+        rms = norm / math.sqrt(numel) if numel else math.inf
+        self._initial.setdefault(name, rms)
+        # Started at zero or deliberately tiny: its ratio is ~1/(t+1) at any lr.
+        tiny = min(rms, self._initial[name]) < self.t.tiny_rms
+        if ratio > self.t.update_high and not tiny:
+            return "high"
+        if ratio < self.t.update_low and s.get("grad_norm") != 0.0:
+            return "low"
+        return False
+
+    def _update_finding(self, step: int, name: str, ratio: float, run: _Run) -> Finding:
+        high = run.state == "high"
+        return Finding(
+            "update_ratio",
+            _module_of(name),
+            step,
+            ratio,
+            f"update/weight ratio ||ΔW||/||W|| of {name!r} is {ratio:.3g}, out of range from "
+            f"step {run.since} to step {step} ({run.seen} sampled steps; healthy: about "
+            f"1e-3, allowed [{self.t.update_low:g}, {self.t.update_high:g}]): updates are too "
+            + ("large; lower" if high else "small; raise")
+            + " the learning rate",
+        )
 
     def overflow(self, nonfinite: Finding) -> Finding | None:
         """An Inf made from finite values in the backward pass is an exploding gradient first
@@ -428,8 +574,9 @@ class Diagnosis:
         )
 
     def _no_gradient(self, step: int, name: str) -> list[Finding]:
-        self._no_grad[name] = self._no_grad.get(name, 0) + 1
-        if self._no_grad[name] < self.t.update_patience:
+        run = self._no_grad.setdefault(name, _Run())
+        run.see(step, True)
+        if not run.lasted(self.t.no_grad_span):
             return []
         return [
             Finding(
@@ -439,11 +586,77 @@ class Diagnosis:
                 0.0,
                 f"{name!r} receives no gradient: its module ran, but its output reached the loss "
                 "only detached, or not at all (computed and thrown away), and its .grad was None "
-                f"on {self._no_grad[name]} sampled steps in a row, so its optimizer never "
-                "changes it. Remove the .detach() or torch.no_grad() after it, use its output, "
-                "or freeze it on purpose with requires_grad=False",
+                f"from step {run.since} to step {step} ({run.seen} sampled steps), so its "
+                "optimizer never changes it. Remove the .detach() or torch.no_grad() after it, "
+                "use its output, or freeze it on purpose with requires_grad=False",
             )
         ]
+
+
+def mark_cleared(findings: list[Finding], done: Finding) -> list[Finding]:
+    """``findings`` with the current finding that ``done`` (from :meth:`Diagnosis.cleared`)
+    clears replaced by ``done``: the latest of its kind and module not cleared yet."""
+    out, kept = list(findings), replace(done, cleared_at=None)
+    for i in range(len(out) - 1, -1, -1):
+        if out[i] == kept:
+            out[i] = done
+            break
+    return out
+
+
+@dataclass
+class _Run:
+    """The latest run of observations of one condition with the same outcome (``state``:
+    True/False, or a side such as ``"high"``), over training steps."""
+
+    state: object = None  # None: nothing observed since the last forget()
+    since: int = 0  # the training step of the run's first observation
+    last: int = 0
+    seen: int = 0
+
+    def see(self, step: int, state: object) -> None:
+        if state != self.state or self.seen == 0:
+            self.state, self.since, self.seen = state, step, 0
+        self.last, self.seen = step, self.seen + 1
+
+    def forget(self) -> None:
+        self.state, self.seen = None, 0
+
+    def lasted(self, span: int, least: int = 2) -> bool:
+        """At least ``least`` observations (one for span 0) over at least ``span`` steps."""
+        return self.seen >= (least if span > 0 else 1) and self.last - self.since >= span
+
+
+@dataclass
+class _Growth:
+    """How far a positive scalar (the loss, a gradient norm) rose above its lowest value so
+    far; a scalar that was ever <= 0 has no scale and is not judged."""
+
+    first: float | None = None
+    low: float = math.inf
+    growth: float | None = None  # at the latest observation
+    latest: float | None = None
+    judged: bool = True
+
+    def see(self, value: float | None, factor: float) -> float | None:
+        """The growth at this value over the lowest before it (floored at the first value
+        / ``factor``); ``None`` when there is nothing to judge."""
+        if value is None or math.isnan(value) or not self.judged:
+            return None
+        self.latest = value
+        if value <= 0:
+            self.judged, self.growth = False, None
+            return None
+        if self.first is None:
+            self.first = value
+        base = max(self.low, self.first / factor)
+        self.growth = value / base if math.isfinite(base) else None
+        self.low = min(self.low, value)
+        return self.growth
+
+
+def _lrs(scalars: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in scalars.items() if k == "lr" or k.startswith("lr/")}
 
 
 # Ops whose gradient is infinite at a point (a singularity), not because values grew.

@@ -5,6 +5,13 @@ hooks and never calls ``register_*_hook`` itself. A HookSet owns the handles it 
 removes exactly those (hooks put on the model by the user or other libraries are never
 touched), can be removed more than once, and is a context manager whose exit runs also when
 the body raised, ``KeyboardInterrupt`` included.
+
+Saving or copying a hooked model (``torch.save(model, f)``, ``pickle.dumps``,
+``copy.deepcopy``) leaves hookscope's hooks out: while any HookSet holds module hooks,
+``nn.Module.__getstate__`` is wrapped so that a module's pickled state lacks exactly the hook
+ids hookscope registered. The copy carries no hookscope hook and nothing that refers to
+hookscope (a checkpoint loads where hookscope is not installed), the original stays hooked,
+and the user's and other libraries' hooks travel as they always did.
 """
 
 from __future__ import annotations
@@ -34,8 +41,14 @@ __all__ = [
 # Every HookSet that still holds handles; assert_no_hooks(only_hookscope=True) reads it.
 _LIVE: weakref.WeakSet[HookSet] = weakref.WeakSet()
 
-# Tensor hooks die with their tensor; prune dead handles once this many piled up.
+# Tensor hooks die with their tensor; prune dead handles once this many piled up, and then
+# at twice what survived: registration stays O(1) amortised however many are alive at once
+# (an LSTMCell unrolled over 1,000 steps hooks several thousand outputs per backward).
 _PRUNE_AT = 4096
+
+# Ids (``RemovableHandle.id``, unique in the process) of the hooks live HookSets put into the
+# hook dicts of modules: what a module's pickled state leaves out.
+_MODULE_HOOK_IDS: set[int] = set()
 
 
 class HookSet:
@@ -50,25 +63,35 @@ class HookSet:
         self.owner = owner
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
+        self._prune_at = _PRUNE_AT
         _LIVE.add(self)
 
     # -- modules ---------------------------------------------------------------------------
     def forward_pre(
         self, module: nn.Module, fn: Callable[..., Any], *, prepend: bool = False
     ) -> None:
-        self._keep(module.register_forward_pre_hook(fn, with_kwargs=True, prepend=prepend))
+        handle = module.register_forward_pre_hook(fn, with_kwargs=True, prepend=prepend)
+        self._keep_module_hook(handle)
 
     def forward(
         self, module: nn.Module, fn: Callable[..., Any], *, always_call: bool = False
     ) -> None:
-        self._keep(module.register_forward_hook(fn, with_kwargs=True, always_call=always_call))
+        handle = module.register_forward_hook(fn, with_kwargs=True, always_call=always_call)
+        self._keep_module_hook(handle)
+
+    def _keep_module_hook(self, handle: RemovableHandle) -> None:
+        _MODULE_HOOK_IDS.add(handle.id)
+        _install_getstate()
+        self._keep(handle)
 
     # -- tensors and parameters ------------------------------------------------------------
     def tensor(self, t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         """``t.register_hook(fn)``; the caller checks ``t.requires_grad`` first."""
-        self._tensor_handles.append(t.register_hook(fn))
-        if len(self._tensor_handles) >= _PRUNE_AT:
-            self._tensor_handles = [h for h in self._tensor_handles if _alive(h)]
+        handles = self._tensor_handles
+        handles.append(t.register_hook(fn))
+        if len(handles) >= self._prune_at:
+            self._tensor_handles = handles = [h for h in handles if _alive(h)]
+            self._prune_at = max(_PRUNE_AT, 2 * len(handles))
 
     # -- optimizers ------------------------------------------------------------------------
     def optimizer_step_pre(self, opt: torch.optim.Optimizer, fn: Callable[..., Any]) -> None:
@@ -97,7 +120,12 @@ class HookSet:
         while self._tensor_handles:
             self._tensor_handles.pop().remove()
         while self._handles:
-            self._handles.pop().remove()
+            handle = self._handles.pop()
+            handle.remove()
+            _MODULE_HOOK_IDS.discard(handle.id)
+        self._prune_at = _PRUNE_AT
+        if not _MODULE_HOOK_IDS:
+            _uninstall_getstate()
 
     def __len__(self) -> int:
         return len(self._handles) + sum(_alive(h) for h in self._tensor_handles)
@@ -117,9 +145,54 @@ def _alive(handle: RemovableHandle) -> bool:
     return hooks is not None and handle.id in hooks
 
 
+# -- pickling and copying: hooked modules travel without hookscope's hooks ---------------------
+
+# nn.Module's own __getstate__, while ours stands in for it; None while it is not installed.
+_original_getstate: Callable[[nn.Module], dict[str, Any]] | None = None
+_module_getstate = nn.Module.__getstate__  # torch's, for ours left in another wrapper's chain
+
+
+def _install_getstate() -> None:
+    """Put :func:`_getstate_without_hooks` in place of ``nn.Module.__getstate__`` (once)."""
+    global _original_getstate
+    if _original_getstate is None:
+        _original_getstate = nn.Module.__getstate__
+        nn.Module.__getstate__ = _getstate_without_hooks  # type: ignore[method-assign]
+
+
+def _uninstall_getstate() -> None:
+    """Give ``nn.Module.__getstate__`` back, unless someone wrapped ours since: then ours
+    stays in their chain, a pass-through while no HookSet holds module hooks."""
+    global _original_getstate
+    if _original_getstate is not None and nn.Module.__getstate__ is _getstate_without_hooks:
+        nn.Module.__getstate__ = _original_getstate  # type: ignore[method-assign]
+        _original_getstate = None
+
+
+def _getstate_without_hooks(self: nn.Module) -> dict[str, Any]:
+    """``nn.Module.__getstate__``, less the hooks live HookSets registered on this module.
+
+    The state is a shallow copy of ``__dict__``: a hook dict that holds one of ours is
+    replaced in the copy by a filtered one (the module itself keeps its hooks); every other
+    entry, and the state of a module we never hooked, is what torch returns.
+    """
+    state = (_original_getstate or _module_getstate)(self)
+    ours = _MODULE_HOOK_IDS
+    if ours:
+        for key, value in list(state.items()):
+            if "hooks" in key and isinstance(value, dict) and not ours.isdisjoint(value):
+                state[key] = type(value)((k, v) for k, v in value.items() if k not in ours)
+    return state
+
+
 def live_handles() -> list[RemovableHandle]:
     """Handles of every HookSet that has not been removed yet."""
-    return [h for hs in list(_LIVE) for h in hs.handles() if _alive(h)]
+    return [h for handles in live_handle_sets() for h in handles]
+
+
+def live_handle_sets() -> list[list[RemovableHandle]]:
+    """The live handles of each HookSet that has not been removed yet, one list per set."""
+    return [[h for h in hs.handles() if _alive(h)] for hs in list(_LIVE)]
 
 
 def in_backward_recompute() -> bool:

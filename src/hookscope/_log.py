@@ -1,7 +1,7 @@
 """The hookscope log: its typed records, and the one writer and one reader of its JSON lines.
 
 A Monitor writes a :class:`Header` first, then a :class:`StepRecord` per ``step()``, and
-findings and :class:`Event`\\ s as they happen. ``docs/log-format.md`` documents the same fields;
+findings, :class:`Cleared` records and :class:`Event`\\ s as they happen. ``docs/log-format.md`` documents the same fields;
 a test keeps the two in step. Nothing here imports torch or knows about models.
 """
 
@@ -19,8 +19,10 @@ __all__ = [
     "ACT_STATS",
     "BN_STATS",
     "GRAD_STATS",
+    "HOOKSCOPE_LOG",
     "LOG_NAME",
     "PARAM_STATS",
+    "Cleared",
     "Event",
     "Header",
     "StepRecord",
@@ -103,6 +105,27 @@ class Event:
     type: str = "event"
 
 
+@dataclass
+class Cleared:
+    """A finding whose condition stopped holding for its rule's span (findings are written
+    once, when found; this record sets their ``cleared_at`` when read back).
+
+    ``kind``, ``module`` and ``found_at`` (the finding's ``step``) name the finding; ``step``
+    is its ``cleared_at``: the first step at which the condition no longer held.
+    """
+
+    kind: str
+    module: str
+    found_at: int
+    step: int
+    type: str = "cleared"
+
+    @classmethod
+    def of(cls, finding: Any) -> Cleared:
+        """The record of a finding that :meth:`Diagnosis.cleared` handed back."""
+        return cls(finding.kind, finding.module, finding.step, finding.cleared_at)
+
+
 # -- JSON: non-finite floats are the strings "nan", "inf", "-inf" -----------------------------
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _TEXT_KEYS = frozenset({"message", "kind", "module", "type", "name", "op", "source", "phase"})
@@ -134,6 +157,13 @@ def to_line(record: dict[str, Any]) -> str:
     return json.dumps(encode(record), allow_nan=False)
 
 
+HOOKSCOPE_LOG = (
+    "a hookscope log is the JSON-lines file hs.Monitor(model, log_dir=DIR) writes as "
+    f"DIR/{LOG_NAME} (or `hookscope watch`), whose first line is its header: "
+    '{"type": "header", "format": "hookscope-log", ...}'
+)
+
+
 def log_path(log_dir: str | Path) -> Path:
     """The JSON-lines file of a run: ``DIR/hookscope.jsonl``, or the file itself."""
     path = Path(log_dir)
@@ -155,6 +185,10 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
 
     Returns:
         The records in the order written; a torn last line (a crash mid-write) is skipped.
+
+    Raises:
+        HookscopeError: If there is no log there, a line before the last is not JSON, or
+            the file does not start with a hookscope header (it is some other file).
     """
     file = log_path(path)
     records = []
@@ -167,5 +201,13 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 break
-            raise HookscopeError(f"{file}:{i + 1}: not a JSON line: {line[:80]!r}") from None
+            raise HookscopeError(
+                f"{file}:{i + 1}: not a JSON line: {line[:80]!r}; {HOOKSCOPE_LOG}"
+            ) from None
+    if not records or not isinstance(records[0], dict) or records[0].get("type") != "header":
+        first = repr(lines[0][:80]) if lines else "nothing (the file is empty)"
+        raise HookscopeError(
+            f"{str(file)!r} is not a hookscope log: its first line is {first}; "
+            f"{HOOKSCOPE_LOG}. Point at the run's log_dir or at that file."
+        )
     return records

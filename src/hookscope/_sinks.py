@@ -6,13 +6,17 @@ A record is a plain dict (see docs/log-format.md); a sink never sees the model.
 from __future__ import annotations
 
 import math
+import threading
+import warnings
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from ._errors import missing_extra
+from ._errors import HookscopeWarning, missing_extra
 from ._log import LOG_NAME, to_line
 
 __all__ = ["JsonlSink", "MemorySink", "Sink", "TensorBoardSink"]
+
+_CLOSE_WITHIN = 3.0  # seconds TensorBoardSink.close() waits for its writer
 
 
 @runtime_checkable
@@ -113,4 +117,26 @@ class TensorBoardSink:
         )
 
     def close(self) -> None:
-        self._writer.close()
+        """Flush and close the event file, waiting at most ``_CLOSE_WITHIN`` seconds.
+
+        The writer's flush takes a lock that ``add_scalar`` holds while its queue is full: a
+        signal handler that closes the Monitor in the middle of a write would wait for ever.
+        The close runs in a thread of its own, abandoned (with a warning) if it is stuck.
+        """
+        closing = threading.Thread(
+            target=self._writer.close, name="hookscope: close TensorBoard", daemon=True
+        )
+        try:
+            closing.start()
+        except RuntimeError:  # no new thread at interpreter shutdown: close here
+            self._writer.close()
+            return
+        closing.join(_CLOSE_WITHIN)
+        if closing.is_alive():
+            warnings.warn(
+                f"TensorBoard's writer did not close within {_CLOSE_WITHIN:g} s (it was "
+                "interrupted mid-write); the last events may be missing from "
+                f"{self._writer.log_dir}.",
+                HookscopeWarning,
+                stacklevel=2,
+            )

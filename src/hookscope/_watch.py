@@ -11,7 +11,10 @@ exits with the child's status, 128 + N when the child was killed by signal N.
 
 A SIGINT typed at the terminal reaches the child directly (same process group), so the
 parent forwards SIGINT only when it did not come from the terminal: a second copy would
-interrupt the script's own clean-up.
+interrupt the script's own clean-up. A second signal ends things: a child still running
+``_KILL_AFTER`` seconds after it (a script that ignores signals, or is stuck) is killed, and
+the parent exits with the status of the signal it received. The signal handler only sends
+signals and reads the clock; it never waits.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = ["BOOT", "child_env", "watch"]
 BOOT = Path(__file__).resolve().parent / "_boot"
 _POLL = 0.25  # seconds between looks at the child and the logs
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
+_KILL_AFTER = 3.0  # seconds after a second signal before the child is killed
 
 
 def watch(
@@ -72,7 +76,12 @@ def watch(
                 break
             except subprocess.TimeoutExpired:
                 progress.poll()
+                forward.kill_if_due()
     status = 128 - code if code < 0 else code
+    if forward.killed:
+        name = _signal_name(forward.received[-1])
+        progress.say(f"the command did not end after a second {name}: killed it (SIGKILL)")
+        status = 128 + forward.received[-1]
     progress.poll()
     try:
         progress.finish(code)
@@ -100,10 +109,14 @@ def _same_dir(path: str, directory: Path) -> bool:
 
 
 class _Forward:
-    """Forward SIGINT and SIGTERM to the child while it runs (held until it has started)."""
+    """Forward SIGINT and SIGTERM to the child while it runs (held until it has started);
+    after a second signal, kill a child that has not ended within ``_KILL_AFTER`` seconds."""
 
     def __init__(self) -> None:
         self.child: subprocess.Popen[bytes] | None = None
+        self.received: list[int] = []  # every signal received, in order
+        self.killed = False
+        self._kill_at: float | None = None
         self._early: list[int] = []
         self._previous: dict[int, Any] = {}
 
@@ -115,13 +128,26 @@ class _Forward:
     def start(self, child: subprocess.Popen[bytes]) -> None:
         self.child = child
         for sig in self._early:
-            self._handle(sig, None)
+            self._send(sig)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        if len(self.received) == 2:
+            self._kill_at = time.monotonic() + _KILL_AFTER
+        self._send(signum)
+
+    def _send(self, signum: int) -> None:
         if self.child is None:
             self._early.append(signum)
         elif signum != signal.SIGINT or not _from_terminal():
             self.child.send_signal(signum)  # does nothing once the child has ended
+
+    def kill_if_due(self) -> None:
+        """From the wait loop: the second signal's grace is over, the child still runs."""
+        if self._kill_at is not None and time.monotonic() >= self._kill_at and not self.killed:
+            if self.child is not None and self.child.poll() is None:
+                self.child.kill()
+                self.killed = True
 
     def __exit__(self, *exc: object) -> None:
         for sig, previous in self._previous.items():
@@ -206,8 +232,7 @@ class _Progress:
             log.steps = int(record.get("step", -1)) + 1
         elif kind == "finding":
             log.findings.append(record)
-            message = str(record.get("message", ""))
-            message = message if len(message) <= 200 else message[:197] + "..."
+            message = str(record.get("message", "")).replace("\n", "\n    ")  # whole
             self.say(
                 f"{log.model} step {record.get('step')}: {record.get('kind')} in "
                 f"{record.get('module') or 'the model'}: {message}"

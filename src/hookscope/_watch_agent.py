@@ -1,19 +1,31 @@
 """The child side of ``hookscope watch``: find the models a script trains and monitor them.
 
-The start-up hook (``_boot/sitecustomize.py``) calls :meth:`Agent.before_step` from a global
-optimizer step pre-hook. At the first step of an optimizer the agent looks for the top-level
-modules owning its parameters (one scan of the garbage collector's objects, by ``type(o)``:
-``isinstance`` on torch's deprecated proxies warns), and attaches one :class:`Monitor` per
-model from a pre-hook on that optimizer, which torch runs later in the same ``step()``. (A
-global hook registered while torch iterates the global hooks would break that iteration.)
+The start-up hook (``_boot/sitecustomize.py``) calls :meth:`Agent.created` at the end of every
+``Optimizer.__init__`` and :meth:`Agent.before_step` from a global optimizer step pre-hook.
+When an optimizer is created, the agent looks for the top-level modules owning its parameters
+(one scan of the garbage collector's objects, by ``type(o)``: ``isinstance`` on torch's
+deprecated proxies warns) and attaches one :class:`Monitor` per model right then, before the
+first forward: step 0 is watched like any other (a NaN in it is found, with its op, before its
+update). An optimizer created before the start-up hook could see it is found at its first
+step instead, and the Monitor attached from a pre-hook on that optimizer, which torch runs
+later in the same ``step()`` (a global hook registered while torch iterates the global hooks
+would break that iteration); that step's forward and backward then came before the Monitor.
 
 Log layout: the first model to be stepped logs to ``out``, every further one to
 ``out/<ModelClass>`` (``-2``, ``-3`` for a class seen twice), each a Monitor ``log_dir``.
 
 Step boundary: after the optimizer step, from a global post-hook registered after the
 Monitor's own (so the update has been measured). A model stepped by several optimizers gets
-one step per round, once every optimizer that steps it has stepped; one that steps again
+one step per round, once every optimizer that steps it has stepped (the round is the
+optimizers alive at the model's first step that own its parameters); one that steps again
 before the round is complete ends the round early and the round shrinks to what really steps.
+
+Signals: SIGTERM ends the process by SIGTERM (the exit status launchers expect), after the
+logs are closed by a thread of their own, waited for at most ``_CLOSE_WITHIN`` seconds: the
+handler itself takes no lock, so a signal that lands inside a sink (TensorBoard's writer
+holding its lock) cannot hang the process. SIGINT stays Python's ``KeyboardInterrupt``; the
+logs are closed at exit. The JSON-lines log is flushed record by record, so what a signal
+cuts short is at most the record being written.
 
 The loss, when it can be told: ``output.loss`` of the model (Hugging Face), or else the one
 scalar that a top-level parameter-free ``nn`` loss module returned with gradients on since the
@@ -27,10 +39,12 @@ import functools
 import gc
 import json
 import os
+import select
 import signal
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +61,7 @@ __all__ = ["ENV", "Agent", "Settings"]
 
 ENV = "HOOKSCOPE_WATCH"
 _CONTAINERS = (nn.ModuleDict, nn.ModuleList)  # no forward of their own: look inside
+_CLOSE_WITHIN = 5.0  # seconds a process ended by a signal waits for its logs to close
 
 
 @dataclass(frozen=True)
@@ -68,12 +83,15 @@ class Settings:
 
 @dataclass(eq=False)
 class _Watched:
-    """One model and its Monitor, with the optimizers that step it."""
+    """One model and its Monitor, with the optimizers that step it (its round: empty until
+    the model's first step when the Monitor was attached as its optimizer was created)."""
 
     model: nn.Module
     monitor: Monitor
     log_dir: Path
+    params: set[int] = field(default_factory=set)  # id() of the model's parameters
     optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    checked: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # optimizers looked at
     stepped: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # since its last step()
     own_loss: torch.Tensor | None = None  # output.loss of the model, since its last step()
     losses: list[torch.Tensor] = field(default_factory=list)  # from loss modules, same window
@@ -97,17 +115,39 @@ class Agent:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.watched: list[_Watched] = []
-        self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # looked at
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # known
         self._loss_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._hooks = HookSet("hookscope watch")
         self._pid = os.getpid()
         self._exit_handlers = False
         self._previous_sigterm: Any = None
+        self._closer: _Closer | None = None
+        self._signalled = False
         self._off = False
 
     @classmethod
     def from_env(cls, text: str) -> Agent:
         return cls(Settings.from_env(text))
+
+    # -- every optimizer, as it is created ---------------------------------------------------
+    def created(self, opt: torch.optim.Optimizer) -> None:
+        """From the start-up hook, at the end of every ``Optimizer.__init__``: watch the models
+        owning its parameters from now on, before their first forward."""
+        if self._off or os.getpid() != self._pid:
+            return
+        self._optimizers.add(opt)
+        if opt in self._seen:  # an optimizer whose __init__ runs Optimizer.__init__ twice
+            return
+        self._seen.add(opt)
+        try:
+            models, losses, _ = _scan(opt)
+            self._hook_losses(losses)
+            for model in models:
+                if all(w.model is not model for w in self.watched):
+                    self._watch(model)
+        except Exception as exc:  # never break the user's training
+            self._fail(f"cannot find the model of {type(opt).__name__}", exc)
 
     # -- every optimizer step -------------------------------------------------------------
     def before_step(self, opt: torch.optim.Optimizer) -> None:
@@ -118,22 +158,37 @@ class Agent:
             if opt in w.stepped:  # it steps again before the round was complete
                 w.optimizers = weakref.WeakSet(w.stepped)
                 self._end_step(w)
+        self._join_rounds(opt)
         if opt in self._seen:
             return
         self._seen.add(opt)
+        self._optimizers.add(opt)
         try:
             self._discover(opt)
         except Exception as exc:  # never break the user's training
             self._fail(f"cannot find the model stepped by {type(opt).__name__}", exc)
 
+    def _join_rounds(self, opt: torch.optim.Optimizer) -> None:
+        """At a model's first step, its round: every known optimizer owning its parameters;
+        later, an optimizer that starts stepping it joins the round."""
+        for w in self.watched:
+            if opt in w.checked:
+                continue
+            w.checked.add(opt)
+            if not _owns(opt, w.params):
+                continue
+            if len(w.optimizers):
+                w.optimizers.add(opt)
+            else:
+                w.optimizers = weakref.WeakSet(o for o in self._optimizers if _owns(o, w.params))
+                w.optimizers.add(opt)
+
     def _discover(self, opt: torch.optim.Optimizer) -> None:
+        """An optimizer created before the start-up hook could see it, at its first step."""
         models, losses, optimizers = _scan(opt)
         new = []
         for model in models:
-            known = next((w for w in self.watched if w.model is model), None)
-            if known is not None:
-                known.optimizers.add(opt)
-            else:
+            if all(w.model is not model for w in self.watched):
                 new.append(model)
         self._hook_losses(losses)
         if new:  # attach from a hook on this optimizer: torch runs it later in this step()
@@ -148,11 +203,13 @@ class Agent:
         pending.done = True
         for model in pending.models:
             try:
-                self._watch(model, pending, opt)
+                self._watch_late(model, pending, opt)
             except Exception as exc:  # never break the user's training
                 self._fail(f"cannot watch {type(model).__name__}", exc)
 
-    def _watch(self, model: nn.Module, pending: _Pending, opt: torch.optim.Optimizer) -> None:
+    def _watch(self, model: nn.Module, once: HookSet | None = None) -> _Watched | None:
+        """Attach a Monitor to ``model``; ``once``: hooks to remove after this step."""
+        self._install_exit_handlers()
         log_dir = self._log_dir(model)
         try:
             monitor = Monitor(
@@ -163,20 +220,26 @@ class Agent:
                 log_dir=log_dir,
             )
         except Exception as exc:  # a --where that matches nothing here, a compiled model
-            first = (str(exc) or type(exc).__name__).splitlines()[0]
-            sys.stderr.write(f"hookscope watch: not watching {type(model).__name__}: {first}\n")
-            return
-        w = _Watched(model, monitor, log_dir)
-        params = {id(p) for p in model.parameters()}
-        for o in [opt, *pending.optimizers]:  # the round: every optimizer that steps this model
-            if any(id(p) in params for g in o.param_groups for p in g["params"]):
-                w.optimizers.add(o)
+            sys.stderr.write(
+                f"hookscope watch: not watching {type(model).__name__}: {_whole(exc)}\n"
+            )
+            return None
+        w = _Watched(model, monitor, log_dir, {id(p) for p in model.parameters()})
         self.watched.append(w)
         self._hooks.forward(model, functools.partial(self._model_output, w))
-        self._hooks.optimizer_step_post_global(
-            functools.partial(self._after_step, w, pending.hooks)
-        )
-        self._install_exit_handlers()
+        self._hooks.optimizer_step_post_global(functools.partial(self._after_step, w, once))
+        return w
+
+    def _watch_late(self, model: nn.Module, pending: _Pending, opt: torch.optim.Optimizer) -> None:
+        """Attach a Monitor during ``opt``'s first step (an optimizer we did not see created)."""
+        w = self._watch(model, pending.hooks)
+        if w is None:
+            return
+        monitor = w.monitor
+        for o in [opt, *pending.optimizers]:  # the round: every optimizer that steps this model
+            w.checked.add(o)
+            if _owns(o, w.params):
+                w.optimizers.add(o)
         # The Monitor came too late for this step's forward and backward. With one optimizer,
         # step 0 is logged now: gradient and weight norms before this update (whose end is
         # then not a step boundary). With several, step 0 ends with the round, as any does.
@@ -201,8 +264,11 @@ class Agent:
             path = out / f"{base}-{n}"
         return path
 
-    def _after_step(self, w: _Watched, once: HookSet, opt: Any, args: Any, kwargs: Any) -> None:
-        once.remove()
+    def _after_step(
+        self, w: _Watched, once: HookSet | None, opt: Any, args: Any, kwargs: Any
+    ) -> None:
+        if once is not None:
+            once.remove()
         if w.broken or opt not in w.optimizers or os.getpid() != self._pid:
             return
         if w.skip_post:  # the step during which the Monitor was attached: it is logged
@@ -253,21 +319,28 @@ class Agent:
         self._exit_handlers = True
         atexit.register(self.close)
         if threading.current_thread() is threading.main_thread():
+            self._closer = _Closer(functools.partial(self.close, finish=False))
             self._previous_sigterm = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """Flush the logs, then let SIGTERM do what it did before: the previous handler, or
-        die by the signal (the exit status the parent and launchers expect)."""
+        """Let SIGTERM do what it did before (the previous handler), or close the logs and
+        die by the signal (the exit status the parent and launchers expect).
+
+        It takes no lock: the signal may have interrupted a sink holding its own (TensorBoard's
+        ``add_scalar``), which this thread would then wait for for ever. The logs are closed by
+        :class:`_Closer`'s thread, waited for at most ``_CLOSE_WITHIN`` seconds; a second
+        signal ends the process at once."""
         previous = self._previous_sigterm
         if callable(previous):
             previous(signum, frame)
             return
         if previous == signal.SIG_IGN:
             return
-        self.close(finish=False)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        if not self._signalled and self._closer is not None and os.getpid() == self._pid:
+            self._signalled = True
+            self._closer.close_within(_CLOSE_WITHIN)
+        _die(signum)
 
     def close(self, *, finish: bool = True) -> None:
         """Close every Monitor (at exit); ``finish`` first ends a round of optimizer steps
@@ -288,7 +361,49 @@ class Agent:
                 w.monitor.close()
 
     def _fail(self, what: str, exc: BaseException) -> None:
-        sys.stderr.write(f"hookscope watch: {what}: {type(exc).__name__}: {exc}\n")
+        sys.stderr.write(f"hookscope watch: {what}: {type(exc).__name__}: {_whole(exc)}\n")
+
+
+class _Closer:
+    """A thread that closes the logs when a signal came, so that the signal handler can wait
+    for it without taking a lock: it wakes the thread with ``os.write`` and waits with
+    ``select``, both plain system calls. Started before any signal, from the main thread."""
+
+    def __init__(self, close: Callable[[], None]) -> None:
+        self._close = close
+        self._wake_r, self._wake_w = os.pipe()
+        self._done_r, self._done_w = os.pipe()
+        threading.Thread(target=self._run, name="hookscope watch: close", daemon=True).start()
+
+    def _run(self) -> None:
+        os.read(self._wake_r, 1)
+        try:
+            self._close()
+        except BaseException:  # noqa: S110  (nothing to tell: the process is ending)
+            pass
+        finally:
+            os.write(self._done_w, b"x")
+
+    def close_within(self, seconds: float) -> None:
+        """Close the logs; give up after ``seconds`` (a sink stuck on a lock)."""
+        os.write(self._wake_w, b"x")
+        select.select([self._done_r], [], [], seconds)
+
+
+def _die(signum: int) -> None:
+    """End this process by ``signum``, as if nothing had caught it (status -N, 128 + N)."""
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)  # delivered to this thread before it returns, unless blocked
+    os._exit(128 + signum)
+
+
+def _whole(exc: BaseException) -> str:
+    """An error's whole message (its "Fix:" too), further lines indented under the first."""
+    return (str(exc) or type(exc).__name__).replace("\n", "\n    ")
+
+
+def _owns(opt: torch.optim.Optimizer, params: set[int]) -> bool:
+    return any(id(p) in params for group in opt.param_groups for p in group["params"])
 
 
 def _is_loss(value: Any) -> bool:

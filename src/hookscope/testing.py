@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 from torch.optim import optimizer as _optimizer
 
-from ._hooks import live_handles
+from ._hooks import live_handle_sets, live_handles
 
 __all__ = ["assert_no_hooks", "hooks_on"]
 
@@ -24,11 +24,14 @@ _MODULE_HOOK_DICTS = (
     "_backward_pre_hooks",
     "_backward_hooks",
 )
+_GLOBAL_HOOK_DICTS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 
 
 def hooks_on(model: nn.Module, *, only_hookscope: bool = False) -> list[str]:
     """Describe every hook found on ``model``'s modules, parameters and buffers, and torch's
-    global optimizer step hooks (which a Monitor uses to find the optimizer).
+    global optimizer step hooks (which a Monitor uses to find the optimizer), except those
+    hookscope holds for another model only (a copy of a watched model is clean while the
+    original's Monitor runs).
 
     Args:
         model: The model to inspect.
@@ -51,12 +54,39 @@ def hooks_on(model: nn.Module, *, only_hookscope: bool = False) -> list[str]:
             for hook_id in hooks:
                 if ours is None or (id(hooks), hook_id) in ours:
                     found.append(f"{name}: {attr}")
-    for attr in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+    elsewhere = _global_hooks_of_other_models(model)
+    for attr in _GLOBAL_HOOK_DICTS:
         hooks = getattr(_optimizer, attr, None) or {}
         for hook_id in hooks:
+            if hook_id in elsewhere:
+                continue
             if ours is None or (id(hooks), hook_id) in ours:
                 found.append(f"torch.optim.optimizer: {attr}")
     return found
+
+
+def _global_hooks_of_other_models(model: nn.Module) -> set[int]:
+    """Ids of the global optimizer hooks of HookSets whose other hooks are all on modules
+    and tensors outside ``model``: they serve another model (the original of a copy)."""
+    on_model = {
+        id(hooks)
+        for module in model.modules()
+        for attr in _MODULE_HOOK_DICTS
+        if (hooks := getattr(module, attr, None)) is not None
+    }
+    on_model |= {
+        id(hooks)
+        for tensor in [*model.parameters(), *model.buffers()]
+        for attr in ("_backward_hooks", "_post_accumulate_grad_hooks")
+        if (hooks := getattr(tensor, attr, None)) is not None
+    }
+    global_dicts = {id(getattr(_optimizer, attr, None)) for attr in _GLOBAL_HOOK_DICTS}
+    elsewhere: set[int] = set()
+    for handles in live_handle_sets():
+        local = [id(h.hooks_dict_ref()) for h in handles if id(h.hooks_dict_ref()) not in global_dicts]
+        if local and not on_model.intersection(local):
+            elsewhere.update(h.id for h in handles if id(h.hooks_dict_ref()) in global_dicts)
+    return elsewhere
 
 
 def assert_no_hooks(model: nn.Module, *, only_hookscope: bool = False) -> None:

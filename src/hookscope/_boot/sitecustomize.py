@@ -7,15 +7,18 @@ process of the command runs this module. It must cost nothing where nothing trai
 does three small things:
 
 1. If ``HOOKSCOPE_WATCH`` is set, a finder on ``sys.meta_path`` waits for ``torch`` to be
-   imported and then registers one global optimizer step pre-hook, a trampoline. The first
-   ``optimizer.step()`` of the process imports ``hookscope._watch_agent``, which finds the
-   model and attaches a Monitor. A process that never steps an optimizer never imports
-   hookscope, prints nothing and writes nothing.
+   imported, then wraps ``torch.optim.Optimizer.__init__`` (once, chained: subclasses and
+   optimizers wrapping others pass through it too) and registers one global optimizer step
+   pre-hook, two trampolines. The first optimizer created in the process imports
+   ``hookscope._watch_agent``, which finds the model and attaches a Monitor before the
+   model's first forward; the step hook ends each step, and finds the models of optimizers
+   created before the wrapper was in place. A process that never creates an optimizer never
+   imports hookscope, prints nothing and writes nothing.
 2. It imports the ``sitecustomize`` it shadows (the user's, or the system's), as
    ``ddtrace-run`` does: our directory leaves ``sys.path`` for that import only.
 3. Its directory stays on ``PYTHONPATH``, so ``torchrun`` and ``spawn`` workers run it too.
 
-The trampoline is registered with torch directly rather than through ``_hooks.HookSet``:
+The trampolines are installed in torch directly rather than through ``_hooks.HookSet``:
 importing hookscope would cost every process that imports torch a few hundred milliseconds.
 """
 
@@ -23,7 +26,7 @@ import os
 import sys
 
 _ENV = "HOOKSCOPE_WATCH"
-_agent = None  # hookscope._watch_agent.Agent, once an optimizer stepped in this process
+_agent = None  # hookscope._watch_agent.Agent, once an optimizer was made in this process
 _broken = False  # hookscope could not be imported here: say so once, then stay out of the way
 
 
@@ -61,19 +64,48 @@ def _leave_meta_path():
 
 def _install():
     try:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
     except Exception as exc:  # a torch without global optimizer hooks (before 2.0)
         sys.stderr.write(f"hookscope watch: this torch has no global optimizer hooks ({exc})\n")
         return
+    _wrap_init(Optimizer)
     register_optimizer_step_pre_hook(_on_step)
+
+
+def _wrap_init(cls):
+    """``cls.__init__`` followed by ``_on_created``; the optimizer is built whatever we do."""
+    init = cls.__init__
+    if getattr(init, "_hookscope_watch", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        agent = _get_agent()
+        if agent is not None:
+            try:
+                agent.created(self)
+            except Exception as exc:  # never break the user's training
+                sys.stderr.write(f"hookscope watch: {type(exc).__name__}: {exc}. Not watching.\n")
+
+    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(__init__, name, getattr(init, name, None))
+    __init__.__wrapped__ = init  # inspect.signature() reads the original's
+    __init__._hookscope_watch = True
+    cls.__init__ = __init__
 
 
 def _on_step(optimizer, args, kwargs):
     """Every ``optimizer.step()`` of the process passes here first."""
+    agent = _get_agent()
+    if agent is not None:
+        agent.before_step(optimizer)
+    return None
+
+
+def _get_agent():
+    """The process's agent, made (importing hookscope) the first time; ``None`` if it cannot."""
     global _agent, _broken
-    if _agent is None:
-        if _broken:
-            return None
+    if _agent is None and not _broken:
         try:
             from hookscope._watch_agent import Agent
         except ImportError as exc:
@@ -88,9 +120,7 @@ def _on_step(optimizer, args, kwargs):
         except Exception as exc:  # never break the user's training
             _broken = True
             sys.stderr.write(f"hookscope watch: bad {_ENV} ({exc!r}). Not watching.\n")
-            return None
-    _agent.before_step(optimizer)
-    return None
+    return _agent
 
 
 def _same(a, b):

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.linalg import vector_norm
 
-from .._diagnose import Diagnosis, Finding, Graph, Thresholds
+from .._diagnose import Diagnosis, Finding, Graph, Thresholds, mark_cleared
 from .._errors import HookscopeError, NonFiniteError, did_you_mean
 from .._hooks import HookSet, check_not_compiled, in_backward_recompute, unwrap_parallel
-from .._log import LOG_NAME, Event, Header, StepRecord
+from .._log import LOG_NAME, Cleared, Event, Header, StepRecord
 from .._select import Where, select
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
 from .._stats import Sampler
@@ -463,6 +463,8 @@ class Monitor:
         poisoned = None
         if self._nonfinite is not None and not self._skipped:  # the update went ahead
             poisoned = self._poison.after_update(self._nonfinite, step)
+        updates = self._updates - self._skipped
+        found += self._diagnosis.training_step(step, record.scalars, updates=updates)
         if sampled:
             self.graph = Graph(
                 frozenset(self._trail.edges), frozenset(self._trail.detached | self._dead_ends())
@@ -470,6 +472,9 @@ class Monitor:
             found += self._diagnosis.sampled(step, record, self.graph)
         self._write(record.to_dict())
         new = self._report(found, before_update=self._updates == 0)
+        for done in self._diagnosis.cleared():
+            self.findings = mark_cleared(self.findings, done)
+            self._write(asdict(Cleared.of(done)))
         if poisoned is not None:  # its own finding, also where its cause named the same module
             new += self._report([poisoned], before_update=False, always=True)
         if self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:

@@ -82,17 +82,41 @@ class StepBuffer:
         """
         keys = [k for k in self._values if only is None or only(k)]
         if keys:
-            parts = [self._values[k].reshape(-1) for k in keys]
-            device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
-            flat = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts]).tolist()
-            at = 0
-            for key, part in zip(keys, parts, strict=True):
-                new = flat[at : at + part.numel()]
-                at += part.numel()
+            values = [self._values[k] for k in keys]
+            for key, new in zip(keys, _to_lists(values), strict=True):
                 old = self._host.get(key)
                 self._host[key] = new if old is None else _combine(self._reduce[key], old, new)
                 del self._values[key]
         return self._host
+
+
+def _to_lists(values: list[torch.Tensor]) -> list[list[float]]:
+    """Each value as a list of floats, from one ``tolist()``.
+
+    Scalars (the non-finite flags: one per module call and gradient, tens of thousands in a
+    step of an unrolled cell) are stacked in one call, not reshaped one by one: the cost
+    per value stays a small constant.
+    """
+    device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
+    scalars = [i for i, v in enumerate(values) if v.dim() == 0]
+    rest = [i for i, v in enumerate(values) if v.dim() != 0]
+    parts = []
+    if scalars:
+        stacked = [values[i] for i in scalars]
+        if len({v.device for v in stacked}) > 1:
+            stacked = [v.to(device) for v in stacked]
+        parts.append(torch.stack(stacked).to(device))
+    parts += [values[i].reshape(-1).to(device) for i in rest]
+    flat = torch.cat([p.to(dtype=torch.float64) for p in parts]).tolist()
+    out: list[list[float]] = [[] for _ in values]
+    for i, x in zip(scalars, flat, strict=False):
+        out[i] = [x]
+    at = len(scalars)
+    for i in rest:
+        n = values[i].numel()
+        out[i] = flat[at : at + n]
+        at += n
+    return out
 
 
 def _combine(reduce: Reduce, old: list[float], new: list[float]) -> list[float]:

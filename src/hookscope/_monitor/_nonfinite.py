@@ -93,6 +93,7 @@ class NonFiniteTrail:
         ``pass_through`` (a module in :data:`PASS_THROUGH`) and one input flag, the output's
         flag is that input's value: finite in, finite out."""
         fed = []
+        passed: dict[int, int] = {}  # id -> version of each input seen before
         for t in inputs:
             known = self._known(t)
             if known is None and t.is_floating_point():
@@ -102,12 +103,12 @@ class NonFiniteTrail:
                 if maker is not None:  # another module's output, cut from autograd
                     self.detached.add(maker)
             if known is not None:
+                passed[id(t)] = known[1]
                 fed.append(known[0])
                 producer = self.flags[known[0]]
                 if producer.phase == "forward":
                     self.edges.add((producer.module, name))
-        passed = {id(t): v for t in inputs if (v := self._known(t)) is not None}
-        new = [t for t in outs if passed.get(id(t), (None, None))[1] != t._version]
+        new = [t for t in outs if passed.get(id(t)) != t._version]
         if not new:
             return []
         total = buf.value(("flag", fed[0])) if pass_through and len(fed) == 1 else None

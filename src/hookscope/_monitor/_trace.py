@@ -162,21 +162,25 @@ class Origin:
 
     op: str  # the forward op, e.g. "aten.log" (in backward: the op whose gradient broke)
     phase: str  # "forward" or "backward"
-    module: str | None  # the innermost module running it
+    # The innermost module of the model whose own code called the op ("" the model itself,
+    # None: not known); ``own``: that module has children, and the op ran between them.
+    module: str | None
     source: str | None  # "file.py:42", the user's line that called the forward op
     produced: str  # "NaN" or "Inf"
+    own: bool = False
 
     def refine(self, finding: Finding, *, cheap_check: bool = True) -> Finding:
         """``finding`` (a ``nonfinite`` one) with this op, phase, module and line; its old
-        message is kept after the new one with ``cheap_check``."""
-        module = self.module or finding.module
+        message is kept after the new one with ``cheap_check``. The module is the one whose
+        own code called the op: a container, not the child that ran before or after it."""
+        module = finding.module if self.module is None else self.module
         where = f" at {self.source}" if self.source else ""
         formula = (
             " (in the backward pass: its gradient formula)" if self.phase == "backward" else ""
         )
         message = (
-            f"{self.phase}: {self.op} in {module!r} made {self.produced} from finite "
-            f"inputs{where}{formula}, at step {finding.step}"
+            f"{self.phase}: {self.op} in {_place(module, self.own)} made {self.produced} from "
+            f"finite inputs{where}{formula}, at step {finding.step}"
         )
         return dataclasses.replace(
             finding,
@@ -186,6 +190,14 @@ class Origin:
             source=self.source,
             message=f"{message}. Cheap check: {finding.message}" if cheap_check else message,
         )
+
+
+def _place(module: str, own: bool) -> str:
+    """Where an op ran, for a message: a container's own code is said to be so, since the
+    cheap check can only name the child that ran next to it."""
+    if module == "":
+        return "the model's own code (module '')"
+    return f"{module!r} (its own code, outside its children)" if own else repr(module)
 
 
 def trace(
@@ -200,8 +212,9 @@ def trace(
     ``(origin, outputs)``, the outputs of the calls replayed.
     """
     names = {id(m): n for n, m in model.named_modules()}
+    containers = {n for n, m in model.named_modules() if next(iter(m.children()), None)}
     origin, outputs = None, []
-    with _preserved(model), _Tracer(names, suspect) as tracer:
+    with _preserved(model), _Tracer(names, containers, suspect) as tracer:
         for call in calls:
             set_rng_state(call.rng)
             with torch.enable_grad():
@@ -243,12 +256,15 @@ def _preserved(model: nn.Module) -> Iterator[None]:
 class _Tracer(TorchDispatchMode):
     """Follows each non-finite tensor back to the op that first made it from finite inputs."""
 
-    def __init__(self, names: dict[int, str], suspect: str | None) -> None:
+    def __init__(self, names: dict[int, str], containers: set[str], suspect: str | None) -> None:
         super().__init__()
-        self.names, self.suspect = names, suspect
-        self.stack: list[str] = []
+        self.names, self.containers, self.suspect = names, containers, suspect
+        # The modules running now, innermost last; None for one that is not the model's (made
+        # on the fly in a forward): its ops belong to the model's module that called it.
+        self.stack: list[str | None] = []
         self.backward_origin: Origin | None = None
         self.suspect_origin: Origin | None = None
+        self.suspect_bad = False  # whether the suspect's output held a NaN/Inf
         self.first_forward: Origin | None = None
         self._origin: dict[int, tuple[weakref.ref, Origin]] = {}
         self._pending: list[tuple[weakref.ref, Origin]] = []
@@ -268,7 +284,7 @@ class _Tracer(TorchDispatchMode):
         super().__exit__(*exc)
 
     def _enter_module(self, module: nn.Module, args: Any) -> None:
-        self.stack.append(self.names.get(id(module), type(module).__name__))
+        self.stack.append(self.names.get(id(module)))
 
     def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.stack:
@@ -278,6 +294,7 @@ class _Tracer(TorchDispatchMode):
             return
         if name == self.suspect and self.suspect_origin is None:
             self.suspect_origin = self._origin_of(output)
+            self.suspect_bad = self.suspect_bad or _any_nonfinite(output)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -309,12 +326,14 @@ class _Tracer(TorchDispatchMode):
         return out
 
     def _forward_origin(self, func: Any) -> Origin:
+        module = next((n for n in reversed(self.stack) if n is not None), None)
         return Origin(
             op=str(func.overloadpacket),
             phase="forward",
-            module=self.stack[-1] if self.stack else None,
+            module=module,
             source=_user_line(),
             produced="NaN",
+            own=module in self.containers,
         )
 
     def _backward_origin(self, func: Any, t: torch.Tensor) -> Origin:
@@ -323,7 +342,7 @@ class _Tracer(TorchDispatchMode):
         if info is None:
             name = node.name() if node is not None else str(func.overloadpacket)
             return Origin(name, "backward", None, None, _kind(t))
-        return Origin(info.op, "backward", info.module, info.source, _kind(t))
+        return dataclasses.replace(info, phase="backward", produced=_kind(t))
 
     def _label_nodes(self) -> None:
         """Autograd sets an op's ``grad_fn`` after the op returns: label it now, so that a
@@ -344,13 +363,18 @@ class _Tracer(TorchDispatchMode):
 
     def forward_done(self, output: Any) -> Origin | None:
         """After a replayed forward: the origin of the NaN/Inf that reached the suspect (or
-        the model's output), if the forward pass made one."""
+        the model's output), if the forward pass made one. The first NaN/Inf made anywhere
+        only when one reached them untracked: a -inf mask absorbed on the way (a causal mask
+        before a softmax) is no culprit of a NaN that the backward pass makes."""
         self._label_nodes()
-        return self.suspect_origin or self._origin_of(output) or self.first_forward
+        origin = self.suspect_origin or self._origin_of(output)
+        if origin is None and (self.suspect_bad or _any_nonfinite(output)):
+            origin = self.first_forward
+        return origin
 
 
 def _with(origin: Origin, t: torch.Tensor) -> Origin:
-    return Origin(origin.op, origin.phase, origin.module, origin.source, _kind(t))
+    return dataclasses.replace(origin, produced=_kind(t))
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -359,6 +383,13 @@ def _kind(t: torch.Tensor) -> str:
 
 def _float_tensor(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _any_nonfinite(value: Any) -> bool:
+    """Checked outside autograd: under activation checkpointing, an op that saves a tensor
+    for backward in the first pass and not in the recomputation breaks the backward."""
+    with torch.no_grad():
+        return any(not _finite(t.detach()) for t in tensors(value) if _float_tensor(t))
 
 
 def _finite(t: torch.Tensor) -> bool:

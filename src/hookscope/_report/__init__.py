@@ -24,6 +24,16 @@ _NO_PLOTS = (
 )
 
 
+_NO_LOSS = (
+    '<p class="note">No loss was logged: no step of this run holds a <code>loss</code> scalar. '
+    "The Monitor logs the scalar whose <code>backward()</code> ran when it can find it (a loss "
+    'module\'s output, <code>output.loss</code>, <code>output["loss"]</code>, the one 0-dim '
+    "tensor a model returns); here it found none, e.g. because no backward ran inside the "
+    "watched steps or the loss was not computed from the model's output. Pass "
+    "<code>mon.step(loss=loss)</code> to log it.</p>"
+)
+
+
 def report(log_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write a self-contained HTML report of a monitored run, read from its log alone.
 
@@ -36,7 +46,8 @@ def report(log_dir: str | Path, out: str | Path | None = None) -> Path:
         offline in any browser.
 
     Raises:
-        HookscopeError: If there is no log at ``log_dir`` or a line of it is not JSON.
+        HookscopeError: If there is no log at ``log_dir``, a line of it is not JSON, or the
+            file is not a hookscope log (its first line is not a hookscope header).
 
     Example:
         >>> import hookscope as hs
@@ -75,39 +86,73 @@ def _plots_module() -> Any:
 
 
 def _findings(run: Run) -> str:
-    if not run.findings:
-        return section("findings", "Findings", '<p class="ok">No findings: every check passed.</p>')
-    rows, classes = [], []
-    for f in run.findings:
-        kind = str(f.get("kind", ""))
-        rows.append(
-            [
-                kind,
-                f.get("module", ""),
-                " ".join(str(f[k]) for k in ("phase", "op", "source") if f.get(k)),
-                f.get("step", ""),
-                f.get("value"),
-                f.get("message", ""),
-                HINTS.get(kind, ""),
-            ]
-        )
-        classes.append(f"kind-{kind}")
+    current, cleared = run.split_findings()
+    never = _never_ran(run)
+    if not current and not cleared:
+        ok = '<p class="ok">No findings: every check passed.</p>'
+        return section("findings", "Findings", ok + never)
     head = ["Kind", "Module", "Where (phase, op, line)", "Step", "Value", "Evidence", "Hint"]
-    return section(
-        "findings", f"Findings ({len(rows)})", table(head, rows, cls="findings", row_cls=classes)
+    parts = []
+    if current:
+        rows = [_finding_row(f) for f in current]
+        classes = [f"kind-{f.get('kind', '')}" for f in current]
+        parts.append(f"<h3>Current ({len(current)})</h3>")
+        parts.append(table(head, rows, cls="findings", row_cls=classes))
+    else:
+        parts.append('<p class="ok">No current finding: every one below has cleared.</p>')
+    if cleared:
+        rows = [[*_finding_row(f)[:4], f["cleared_at"], *_finding_row(f)[4:]] for f in cleared]
+        parts.append(
+            f"<h3>Cleared ({len(cleared)}): their condition stopped holding at the step "
+            "shown and stayed away</h3>"
+        )
+        parts.append(table([*head[:4], "Cleared at", *head[4:]], rows, cls="cleared"))
+    title = f"Findings ({len(current) + len(cleared)})"
+    return section("findings", title, "".join(parts) + never)
+
+
+def _finding_row(f: dict[str, Any]) -> list[Any]:
+    kind = str(f.get("kind", ""))
+    return [
+        kind,
+        f.get("module", ""),
+        " ".join(str(f[k]) for k in ("phase", "op", "source") if f.get(k)),
+        f.get("step", ""),
+        f.get("value"),
+        f.get("message", ""),
+        HINTS.get(kind, ""),
+    ]
+
+
+def _never_ran(run: Run) -> str:
+    names = run.never_ran()
+    if not names:
+        return ""
+    types = run.header.get("modules") or {}
+    rows = [[n, types.get(n, ""), "watched, but in no sampled step's statistics"] for n in names]
+    note = (
+        f'<p class="note">{len(names)} watched module(s) never ran in training mode, so no '
+        "rule judged them: a module used only by its weight (as "
+        "<code>nn.MultiheadAttention.out_proj</code>), or one the forward skips.</p>"
+    )
+    return (
+        "<h3>Modules that never ran</h3>"
+        + note
+        + table(["Module", "Type", "Why it has no statistics"], rows, cls="never-ran")
     )
 
 
 def _curves(run: Run, plots: Any) -> str:
     series = run.scalars()
+    note = "" if "loss" in series or not run.steps else _NO_LOSS
     if not series:
-        return ""
+        return section("curves", "Loss and learning rate", note) if note else ""
     if plots is not None:
         body = img(plots.curves(series), "scalars over steps")
     else:
         rows = [[name, xs[-1], _last(ys), _min(ys), _max(ys)] for name, (xs, ys) in series.items()]
         body = table(["Scalar", "Last step", "Last", "Min", "Max"], rows, cls="scalars")
-    return section("curves", "Loss and learning rate", body)
+    return section("curves", "Loss and learning rate", note + body)
 
 
 def _modules(run: Run, plots: Any) -> str:

@@ -20,6 +20,7 @@ class Run:
     header: dict[str, Any] = field(default_factory=dict)
     steps: list[dict[str, Any]] = field(default_factory=list)
     findings: list[dict[str, Any]] = field(default_factory=list)
+    cleared: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     feature_maps: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
@@ -27,6 +28,32 @@ class Run:
     @property
     def sampled(self) -> list[dict[str, Any]]:
         return [s for s in self.steps if s.get("sampled")]
+
+    def split_findings(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """``(current, cleared)``: each finding with ``cleared_at`` set from the log's
+        ``cleared`` records (matched by kind, module and the step it was found at)."""
+        ends = {
+            (c.get("kind"), c.get("module"), c.get("found_at")): c.get("step") for c in self.cleared
+        }
+        current, cleared = [], []
+        for f in self.findings:
+            end = ends.get((f.get("kind"), f.get("module"), f.get("step")), f.get("cleared_at"))
+            if end is None:
+                current.append(f)
+            else:
+                cleared.append({**f, "cleared_at": end})
+        return current, cleared
+
+    def never_ran(self) -> list[str]:
+        """Watched modules (the header's) that are in no sampled step's statistics: never
+        called in training mode (used by weight only, as ``MultiheadAttention.out_proj``,
+        or skipped by the model's forward)."""
+        seen: set[str] = set()
+        for s in self.sampled:
+            seen.update(s.get("act") or {}, s.get("grad") or {})
+        if not self.sampled:
+            return []
+        return [name for name in self.header.get("modules") or {} if name not in seen]
 
     def scalars(self) -> dict[str, tuple[list[int], list[float]]]:
         out: dict[str, tuple[list[int], list[float]]] = {}
@@ -95,6 +122,8 @@ def load_run(log_dir: str | Path) -> Run:
             run.steps.append(rec)
         elif kind == "finding":
             run.findings.append(rec)
+        elif kind == "cleared":
+            run.cleared.append(rec)
         elif kind == "event":
             run.events.append(rec)
         elif kind == "feature_maps":
