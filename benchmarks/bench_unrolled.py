@@ -90,7 +90,7 @@ class Runner:
         loss = self.opt.step(closure)
         if self.mon is not None:
             self.mon.step(loss=loss)
-        float(loss)
+        loss.item()
         return time.perf_counter() - start
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """The field corpus: training scripts written the way people write them, run under ``watch``.
 
 Each script in ``tests/field/`` (listed in its README) runs twice at the same time, bare and
-under ``hookscope watch``, as separate processes, each in its own working directory (the
-scripts save checkpoints there). Watching must change nothing the script does: the same exit
+under ``hookscope watch``, as separate processes (several at a time), each in its own working
+directory (the scripts save checkpoints there). Watching must change nothing the script does: the same exit
 status, the same stdout (the watch parent writes only on stderr), and a log and a report
 written. A healthy script gets no finding. With ``FIELD_FAULT`` set, the script injects one
 fault at a known step: a NaN/Inf from an op on a line marked ``# <- fault`` must be found at
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,46 +69,73 @@ FAULTS = [
 
 @dataclass
 class Run:
-    code: int
+    code: int | None  # None: killed after TIMEOUT seconds
     out: str
     err: str
 
 
 def _env(fault: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("HOOKSCOPE_WATCH", "FIELD_FAULT")}
-    # One thread each: the bare and the watched run share the machine's cores.
+    # One thread each: several runs share the machine's cores.
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if fault:
         env["FIELD_FAULT"] = fault
     return env
 
 
-def _run_both(tmp_path: Path, script: str, fault: str = "") -> tuple[Run, Run, Path]:
-    """Run ``script`` bare and under ``hookscope watch`` side by side; the watch's out dir."""
-    out, program = tmp_path / "watch-out", [sys.executable, str(FIELD / script)]
-    watch = [sys.executable, "-m", "hookscope", "watch", "--out", str(out), "--"]
-    commands = {"bare": program, "watched": [*watch, *program]}
-    procs = {}
-    for name, command in commands.items():
-        (tmp_path / name).mkdir()
-        procs[name] = subprocess.Popen(
-            command,
-            cwd=tmp_path / name,
-            env=_env(fault),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+def _run(command: list[str], cwd: Path, fault: str) -> Run:
+    cwd.mkdir(parents=True)
+    try:
+        done = subprocess.run(
+            command, cwd=cwd, env=_env(fault), capture_output=True, text=True, timeout=TIMEOUT
         )
-    runs = {}
-    for name, proc in procs.items():
-        try:
-            out_text, err_text = proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            pytest.fail(f"{script} ({name}, FIELD_FAULT={fault!r}) ran past {TIMEOUT} s")
-        runs[name] = Run(proc.returncode, out_text, err_text)
-    return runs["bare"], runs["watched"], out
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return Run(None, "", f"{err}\n(killed after {TIMEOUT} s)")
+    return Run(done.returncode, done.stdout, done.stderr)
+
+
+class Runs:
+    """Every run the selected tests need, started at once on a pool of a few processes (the
+    bare runs fill the cores while the longer watched runs go on); each test waits for its
+    own two. Each run has its working directory under ``root``."""
+
+    def __init__(self, root: Path, keys: list[tuple[str, str]]) -> None:
+        self.root = root
+        self.pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 2))
+        self.jobs: dict[tuple[str, str], tuple[Future[Run], Future[Run], Path]] = {}
+        for key in keys:
+            self._submit(key)
+
+    def _submit(self, key: tuple[str, str]) -> None:
+        script, fault = key
+        base = self.root / f"{script.removesuffix('.py')}-{fault or 'healthy'}"
+        out, program = base / "watch-out", [sys.executable, str(FIELD / script)]
+        watch = [sys.executable, "-m", "hookscope", "watch", "--out", str(out), "--"]
+        watched = self.pool.submit(_run, [*watch, *program], base / "watched", fault)
+        bare = self.pool.submit(_run, program, base / "bare", fault)
+        self.jobs[key] = (bare, watched, out)
+
+    def get(self, script: str, fault: str = "") -> tuple[Run, Run, Path]:
+        """The bare run, the watched run and the watch's ``--out`` directory."""
+        if (script, fault) not in self.jobs:
+            self._submit((script, fault))
+        bare, watched, out = self.jobs[script, fault]
+        return bare.result(), watched.result(), out
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    keys = []
+    for item in request.session.items:  # the tests selected in this module, in their order
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if item.module is not request.module or not params:
+            continue
+        case = params.get("case")
+        keys.append((case.script, case.fault) if case else (params["script"], ""))
+    runs = Runs(tmp_path_factory.mktemp("field"), keys)
+    yield runs
+    runs.pool.shutdown(cancel_futures=True)
 
 
 def _same_run(bare: Run, watched: Run) -> None:
@@ -161,9 +189,9 @@ def test_the_corpus_is_complete() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.removesuffix(".py") for s in SCRIPTS])
 def test_a_healthy_script_runs_the_same_watched_and_gets_no_finding(
-    tmp_path: Path, script: str
+    runs: Runs, script: str
 ) -> None:
-    bare, watched, out = _run_both(tmp_path, script)
+    bare, watched, out = runs.get(script)
     assert bare.code == 0, bare.err[-3000:]
     _same_run(bare, watched)
     findings = _findings(out, watched)
@@ -172,8 +200,8 @@ def test_a_healthy_script_runs_the_same_watched_and_gets_no_finding(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FAULTS, ids=[f.id for f in FAULTS])
-def test_an_injected_fault_is_named_at_its_step(tmp_path: Path, case: Fault) -> None:
-    bare, watched, out = _run_both(tmp_path, case.script, case.fault)
+def test_an_injected_fault_is_named_at_its_step(runs: Runs, case: Fault) -> None:
+    bare, watched, out = runs.get(case.script, case.fault)
     _same_run(bare, watched)
     findings = _findings(out, watched)
     early = [f for f in findings if f["step"] < case.step]

@@ -323,3 +323,141 @@ def test_unsampled_steps_name_the_same_module_as_sampled_ones(inner) -> None:
     assert found[None, True] == found[1, True] == (*found[1, False][:2], True)
     assert found[None, False] == found[1, False]
     assert found[None, False][0] == "7"
+
+
+# -- weights made non-finite by an update: one finding, not a new origin every step ------------
+
+
+def poisoned_run(model, x, loss, bad_step=1, steps=5, update=None, fault=None):
+    """Train with the NaN-making op switched on at ``bad_step`` only; the findings new at
+    each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    per_step = []
+    with hs.Monitor(model, every=1) as mon:
+        for step in range(steps):
+            fault(step == bad_step)
+            opt.zero_grad()
+            loss(model(x)).backward()
+            if update is None:
+                opt.step()
+            else:
+                update(model)
+            per_step.append([(f.module, f.phase) for f in mon.step() if f.kind == "nonfinite"])
+    assert_no_hooks(model)
+    return mon, per_step
+
+
+def gpt2_with_a_log_in_block_1():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from models import gpt2
+
+    class LogAfterBlock(GPT2Block):
+        faulty = False
+
+        def forward(self, hidden_states, *args, **kwargs):
+            out = super().forward(hidden_states, *args, **kwargs)
+            return torch.log(out) if self.faulty else out
+
+    torch.manual_seed(0)
+    model = gpt2().train()
+    model.transformer.h[1].__class__ = LogAfterBlock
+    return model, lambda on: setattr(model.transformer.h[1], "faulty", on)
+
+
+def cnn_with_a_log_in_its_forward():
+    from models import ResNet
+
+    class LogResNet(ResNet):
+        faulty = False
+
+        def forward(self, x):
+            out = super().forward(x)
+            return torch.log(out) if self.faulty else out
+
+    torch.manual_seed(0)
+    model = LogResNet()
+    return model, lambda on: setattr(model, "faulty", on)
+
+
+def test_gpt2_weights_poisoned_by_an_update_are_one_finding() -> None:
+    from models import token_ids
+
+    model, fault = gpt2_with_a_log_in_block_1()
+    mon, per_step = poisoned_run(
+        model, token_ids(), lambda out: out.logits.square().mean(), fault=fault
+    )
+    assert per_step == [
+        [],
+        [("transformer.h.1", "forward"), ("transformer.wte", "update")],
+        [],
+        [],
+        [],
+    ]
+    weights = mon.findings[-1]
+    assert weights.step == 1 and "became non-finite in step 1's update" in weights.message
+    assert "'transformer.h.1'" in weights.message  # the cause it applied
+    assert not torch.isfinite(model.transformer.wte.weight).all()
+
+
+def test_cnn_weights_poisoned_by_a_manual_update_are_one_finding() -> None:
+    """No torch.optim: the update runs before mon.step(), which finds the weights it wrote."""
+    from models import images
+
+    def sgd(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 1e-3 * p.grad
+
+    model, fault = cnn_with_a_log_in_its_forward()
+    mon, per_step = poisoned_run(
+        model, images(), lambda out: out.square().mean(), update=sgd, fault=fault
+    )
+    # The update ran before mon.step(): the replay of step 1 meets NaN weights everywhere and
+    # names no op, so the first finding is the flags' own (the loss's gradient at 'fc').
+    assert per_step == [[], [("fc", "backward"), ("conv1", "update")], [], [], []]
+    assert "became non-finite in step 1's update" in mon.findings[-1].message
+
+
+def test_weights_poisoned_before_the_monitor_came_are_named_as_such() -> None:
+    """An update the Monitor never saw (it was attached after): the first NaN it meets is
+    the weights', said once."""
+    from models import images
+
+    model, fault = cnn_with_a_log_in_its_forward()
+    x = images()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    fault(True)
+    model(x).square().mean().backward()
+    opt.step()  # unwatched: the weights are NaN now
+    fault(False)
+    with hs.Monitor(model, every=1) as mon:
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            mon.step()
+    assert [(f.module, f.step, f.phase) for f in mon.findings] == [("conv1", 0, "update")]
+    assert "did not check" in mon.findings[0].message
+
+
+def test_repaired_weights_are_watched_again() -> None:
+    """A checkpoint loaded after the poisoning: the next NaN the weights take is new."""
+    from models import images
+
+    model, fault = cnn_with_a_log_in_its_forward()
+    good = copy.deepcopy(model.state_dict())
+    x = images()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    found = []
+    with hs.Monitor(model, every=1) as mon:
+        for step in range(6):
+            if step == 3:
+                model.load_state_dict(good)
+                opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            fault(step in (1, 4))
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            found += [(f.module, f.step, f.phase) for f in mon.step()]
+    assert found == [("", 1, "forward"), ("conv1", 1, "update"), ("conv1", 4, "update")]

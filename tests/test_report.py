@@ -1,30 +1,27 @@
-"""report(): one self-contained HTML file from a log; checked as text and in headless Chromium."""
+"""report(): one self-contained HTML file from logs; checked as text and in headless Chromium
+driven through the DevTools protocol (tests/_browser.py): charts drawn, a value on hover, a
+zoom shared by the charts, no request, no console error, and a screenshot of each kind."""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
+import math
 import re
-import shutil
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import hookscope as hs
+from _browser import CHROMIUM, Browser
 from _synthetic_log import write_log
 from hookscope._log import Cleared
 from hookscope._report._data import load_run
-
-CHROMIUM = shutil.which("chromium") or (
-    "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
-)
-IMG = re.compile(r'<img class="plot" alt="([^"]*)" src="data:image/png;base64,([^"]+)">')
+from hookscope._report._payload import _buckets, decimate
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +40,64 @@ def test_report_is_written_next_to_the_log_by_default(run_dir: Path, html_path: 
     assert html_path == run_dir / "report.html"
 
 
-def test_report_embeds_every_plot_as_a_png_and_fetches_nothing(html_path: Path) -> None:
+def _data(html: str) -> dict:
+    found = re.search(r'<script id="hs-data" type="application/json">(.*?)</script>', html, re.S)
+    assert found
+    return json.loads(found.group(1))
+
+
+def test_report_embeds_its_data_and_scripts_and_fetches_nothing(html_path: Path) -> None:
     html = html_path.read_text()
-    images = IMG.findall(html)
-    alts = [alt for alt, _ in images]
-    assert alts == [
-        "scalars over steps",
-        "activation mean and std",
-        "zero fraction",
-        "gradient norm",
-        "update ratio",
-        "gradient norm heatmap",
-        "activation histograms",
-        "feature maps of conv",
-    ]
-    for _, data in images:
-        assert base64.b64decode(data).startswith(b"\x89PNG\r\n\x1a\n")
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)
-    assert "<script" not in html and "@import" not in html
+    assert "@import" not in html and "<script src" not in html and "<img" not in html
+    assert "uPlot" in html and "Leon Sorokin" in html  # the vendored library and its notice
+    run = _data(html)["runs"][0]
+    assert run["modules"] == ["conv", "bn", "relu", "fc"]
+    assert run["x"] == [0, 5, 10, 15, 20, 25]
+    assert run["lines"]["act.mean"][2] == pytest.approx(
+        [0.2 + 0.01 * s for s in run["x"]], rel=1e-3
+    )
+    assert run["curves"]["series"]["loss"][12] is None  # the NaN: a gap, marked apart
+    assert run["nan"]["step"] == 12 and run["nan"]["module"] == "bn"
+    assert [h["module"] for h in run["hists"]] == ["conv", "bn", "relu", "fc"]
+
+
+def test_report_orders_modules_as_they_ran(tmp_path: Path) -> None:
+    class Backwards(nn.Module):  # declared in one order, run in the other
+        def __init__(self) -> None:
+            super().__init__()
+            self.last = nn.Linear(8, 2)
+            self.first = nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.last(self.first(x))
+
+    net = Backwards()
+    with hs.Monitor(net, every=1, log_dir=tmp_path) as mon:
+        net(torch.randn(2, 4)).sum().backward()
+        mon.step()
+    assert load_run(tmp_path).order() == ["first", "last"]
+    html = hs.report(tmp_path).read_text()
+    assert _data(html)["runs"][0]["modules"] == ["first", "last"]
+    latest = html[html.index('class="latest"') :]
+    assert latest.index("<td>first</td>") < latest.index("<td>last</td>")
+
+
+def test_decimation_keeps_each_pixel_columns_extremes_in_order() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(3, 10_000))
+    values[1, 4321] = 50.0  # a spike
+    values[2, 100:200] = np.nan
+    cuts = _buckets(values.shape[1], 300)
+    out = decimate(values, cuts)
+    assert out.shape == (3, 600)
+    assert np.nanmax(out[1]) == 50.0 and np.nanmin(out[0]) == values[0].min()
+    for b in (0, 17, 299):  # each bucket: its min and max, the earlier one first
+        chunk = values[0, cuts[b] : cuts[b + 1]]
+        pair = out[0, 2 * b : 2 * b + 2]
+        assert sorted(pair) == [chunk.min(), chunk.max()]
+        assert pair[0] == chunk[min(chunk.argmin(), chunk.argmax())]
+    assert _buckets(500, 300) is None and decimate(values[:, :500], None).shape == (3, 500)
 
 
 def test_report_lists_findings_first_with_evidence_and_hint(html_path: Path) -> None:
@@ -87,21 +124,23 @@ def test_report_shows_the_model_summary_and_latest_statistics(html_path: Path) -
     assert "skipped_step" in html
 
 
-def test_report_without_matplotlib_keeps_the_tables_and_says_how_to_get_plots(
-    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    for name in [
-        m
-        for m in sys.modules
-        if m == "matplotlib" or m.startswith(("matplotlib.", "hookscope._report._plots"))
-    ]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    html = hs.report(run_dir, tmp_path / "plain.html").read_text()
-    assert "pip install 'hookscope[plot]'" in html
-    assert "<img" not in html
-    for cls in ("findings", "scalars", "summary mono", "latest"):
-        assert f'<table class="{cls}">' in html
+def test_report_marks_the_nan_step_with_the_statistics_before_it(html_path: Path) -> None:
+    html = html_path.read_text()
+    nan = html[html.index('id="nan"') : html.index("</section>", html.index('id="nan"'))]
+    assert "began at step <b>12</b> in <b>bn</b>" in nan
+    assert "Statistics at step 10, the last sampled step before it" in nan
+    assert '<table class="before-nan">' in nan and "<td>relu</td>" in nan
+
+
+def test_report_of_several_runs_overlays_them(run_dir: Path, tmp_path: Path) -> None:
+    write_log(tmp_path / "longer", steps=40)
+    out = hs.report([run_dir, tmp_path / "longer"])
+    assert out == run_dir / "runs.html"
+    html = out.read_text()
+    runs = _data(html)["runs"]
+    assert [r["label"] for r in runs] == [run_dir.name, "longer"]
+    assert runs[1]["x"][-1] == 35
+    assert f'id="findings-{run_dir.name}"' in html and 'id="findings-longer"' in html
 
 
 def test_log_reader_turns_nonfinite_strings_into_floats_and_skips_a_torn_last_line(
@@ -197,65 +236,110 @@ def test_report_without_a_loss_says_why(tmp_path: Path) -> None:
 
 # -- in a browser -----------------------------------------------------------------------------
 
-_CHECK = """<script>
-window.__errors = [];
-window.addEventListener('error', e => window.__errors.push(String(e.message)));
-window.addEventListener('load', () => {
-  const imgs = [...document.images];
-  const ok = imgs.filter(i => i.complete && i.naturalWidth > 0 && i.naturalHeight > 0);
-  const d = document.createElement('div');
-  d.id = 'hs-check';
-  d.dataset.imgs = imgs.length; d.dataset.ok = ok.length;
-  d.dataset.tables = document.querySelectorAll('table').length;
-  d.dataset.errors = window.__errors.length;
-  document.body.appendChild(d);
-});
-</script>"""
+browser = pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (make test installs it)")
+
+_DRAWN = """(() => Object.entries(window.hsCharts).filter(([id, u]) => {
+  const c = u.ctx.canvas, d = u.ctx.getImageData(0, 0, c.width, c.height).data;
+  let ink = 0;
+  for (let i = 0; i < d.length; i += 4) if (d[i + 3] > 0 && (d[i] < 200 || d[i + 1] < 200)) ink++;
+  return ink < 50;
+}).map(([id]) => id))()"""
 
 
-def _chromium(html: Path, tmp: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None
-    cmd = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp / 'profile'}",
-        "--enable-logging=stderr",
-        "--v=0",
-        "--virtual-time-budget=5000",
-        "--hide-scrollbars",
-        *extra,
-        html.as_uri(),
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-
-
-def check_in_browser(html_path: Path, tmp: Path, screenshot: Path | None = None) -> dict[str, int]:
-    """Open a copy of the report with a checking script; return what the page saw."""
-    probe = tmp / "probe.html"
-    probe.write_text(html_path.read_text().replace("</head>", _CHECK + "</head>", 1))
-    dom = _chromium(probe, tmp, "--dump-dom")
-    assert "Uncaught" not in dom.stderr and "ERROR:CONSOLE" not in dom.stderr, dom.stderr
-    found = re.search(
-        r'<div id="hs-check" data-imgs="(\d+)" data-ok="(\d+)" data-tables="(\d+)" data-errors="(\d+)"',
-        dom.stdout,
+def _at(b: Browser, chart: str, step: float, value: float | None = None) -> tuple[float, float]:
+    """Viewport coordinates of (step, value) on a chart, scrolled into view."""
+    return tuple(
+        b.eval(
+            f"""(() => {{ const u = hsCharts[{json.dumps(chart)}]; u.root.scrollIntoView();
+            const r = u.over.getBoundingClientRect();
+            const y = {"null" if value is None else value};
+            return [r.left + u.valToPos({step}, 'x'),
+                    r.top + (y === null ? r.height / 2 : u.valToPos(y, 'y'))]; }})()"""
+        )
     )
-    assert found, dom.stdout[-2000:] + dom.stderr[-2000:]
-    if screenshot is not None:
-        shot = _chromium(html_path, tmp, f"--screenshot={screenshot}", "--window-size=1280,2400")
-        assert screenshot.is_file() and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
-    imgs, ok, tables, errors = map(int, found.groups())
-    return {"imgs": imgs, "ok": ok, "tables": tables, "errors": errors}
+
+
+def _legend(b: Browser, chart: str) -> list[str]:
+    return b.eval(
+        f"[...hsCharts[{json.dumps(chart)}].root.querySelectorAll('.u-legend .u-value')]"
+        ".map(e => e.textContent)"
+    )
+
+
+def _open(b: Browser, path: Path) -> None:
+    b.open(path)
+    assert b.eval("Number(document.documentElement.dataset.hsReady)") > 0
+    assert b.eval(_DRAWN) == []  # every chart has ink on its canvas
+
+
+def _clean(b: Browser, path: Path) -> None:
+    assert b.console_errors == []
+    assert [u for u in b.requests if u != path.resolve().as_uri()] == []
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium")
-def test_report_renders_in_headless_chromium(html_path: Path, tmp_path: Path) -> None:
-    seen = check_in_browser(html_path, tmp_path, screenshot=tmp_path / "report.png")
-    assert seen == {"imgs": 8, "ok": 8, "tables": 4, "errors": 0}
+@browser
+def test_report_in_chromium_hover_shows_values_and_zoom_is_shared(
+    html_path: Path, tmp_path: Path
+) -> None:
+    with Browser(tmp_path / "profile") as b:
+        _open(b, html_path)
+        ids = b.eval("Object.keys(hsCharts)")
+        assert {"timeline", "curve:loss", "curve:lr", "grad.norm:relu", "ratio:fc.weight"} <= set(
+            ids
+        )
+        # Hover: the loss at step 10 is 2.3 * exp(-1) in the log; the legend says so.
+        b.mouse("mouseMoved", *_at(b, "curve:loss", 10, 0.846))
+        step, loss = _legend(b, "curve:loss")[:2]
+        assert step == "10" and float(loss) == pytest.approx(2.3 * math.exp(-1), rel=1e-3)
+        # The cursor is shared: a per-module chart shows its own value at that step.
+        step, mean = _legend(b, "act.mean:relu")[:2]
+        assert step == "10" and float(mean) == pytest.approx(0.3, rel=1e-3)
+        # Zoom: drag across one chart; every chart's step axis follows.
+        before = b.eval("[hsCharts['curve:lr'].scales.x.min, hsCharts['curve:lr'].scales.x.max]")
+        x0, y = _at(b, "grad.norm:bn", 5)
+        x1, _ = _at(b, "grad.norm:bn", 20)
+        b.drag(x0, x1, y)
+        for chart in ("grad.norm:bn", "curve:lr", "timeline"):
+            lo, hi = b.eval(f"[hsCharts['{chart}'].scales.x.min, hsCharts['{chart}'].scales.x.max]")
+            assert 4 <= lo <= 6 and 19 <= hi <= 21 and [lo, hi] != before, chart
+        # Heatmaps are drawn (canvases with colour) and answer on hover.
+        heat = "document.querySelector('canvas[data-id^=\"heat:\"]')"
+        box = b.eval(
+            f"(() => {{ const c = {heat}; c.scrollIntoView(); const r = c.getBoundingClientRect(); return [r.left, r.top, r.width, r.height]; }})()"
+        )
+        b.mouse("mouseMoved", box[0] + box[2] - 20, box[1] + 5)
+        tip = b.eval(f"{heat}.parentElement.querySelector('.tip').textContent")
+        assert tip.startswith("conv · step 25") and "‖grad‖ ≈" in tip
+        _clean(b, html_path)
+        b.screenshot(tmp_path / "report.png")
+    assert (tmp_path / "report.png").stat().st_size > 50_000
+
+
+@pytest.mark.browser
+@browser
+def test_each_kind_of_report_renders_cleanly_in_chromium(run_dir: Path, tmp_path: Path) -> None:
+    """One run with a NaN, several runs overlaid, a run without findings or loss: each
+    drawn, no error, no request; a screenshot of each in the test's output."""
+    write_log(tmp_path / "b", steps=40)
+    overlay = hs.report([run_dir, tmp_path / "b"], tmp_path / "overlay.html")
+    empty = tmp_path / "empty"
+    (empty / "hookscope.jsonl").parent.mkdir()
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with hs.Monitor(model, every=1, log_dir=empty) as mon:
+        for _ in range(5):
+            model(torch.randn(2, 4)).sum().backward()
+            mon.step()
+    plain = hs.report(empty)
+    with Browser(tmp_path / "profile") as b:
+        for page in (overlay, plain):
+            b.requests.clear()
+            _open(b, page)
+            _clean(b, page)
+            b.screenshot(tmp_path / f"{page.stem}.png")
+        # Overlaid: one series per run on the same chart.
+        b.open(overlay)
+        assert b.eval("hsCharts['curve:loss'].series.length") == 3
+        assert b.eval("hsCharts['curve:loss'].data[0].at(-1)") == 39
+    for name in ("overlay", "report"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 20_000

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from models import BasicBlock, ResNet, gpt2, images, token_ids
 
 import hookscope as hs
 from hookscope.testing import assert_no_hooks
+from models import BasicBlock, ResNet, gpt2, images, token_ids
 
 
 def line_of(marker: str) -> str:
@@ -106,7 +106,10 @@ def lm_loss(logits):
 
 @pytest.mark.parametrize(
     ("fault", "op", "phase", "marker"),
-    [("log", "aten.log", "forward", "# <- block log"), ("sqrt", "aten.sqrt", "backward", "# <- block sqrt")],
+    [
+        ("log", "aten.log", "forward", "# <- block log"),
+        ("sqrt", "aten.sqrt", "backward", "# <- block sqrt"),
+    ],
     ids=["forward", "backward"],
 )
 def test_an_op_between_a_blocks_children_is_the_blocks(fault, op, phase, marker) -> None:
@@ -152,7 +155,8 @@ def gpt2_block(fault: str):
             if fault == "log":
                 attn_output = torch.log(attn_output)  # <- gpt2 log
             else:
-                attn_output = attn_output + torch.sqrt(attn_output - attn_output.detach())  # <- gpt2 sqrt
+                a = attn_output
+                attn_output = a + torch.sqrt(a - a.detach())  # <- gpt2 sqrt
             hidden_states = hidden_states + attn_output
             return hidden_states + self.mlp(self.ln_2(hidden_states))
 
@@ -161,7 +165,10 @@ def gpt2_block(fault: str):
 
 @pytest.mark.parametrize(
     ("fault", "op", "phase", "marker"),
-    [("log", "aten.log", "forward", "# <- gpt2 log"), ("sqrt", "aten.sqrt", "backward", "# <- gpt2 sqrt")],
+    [
+        ("log", "aten.log", "forward", "# <- gpt2 log"),
+        ("sqrt", "aten.sqrt", "backward", "# <- gpt2 sqrt"),
+    ],
     ids=["forward", "backward"],
 )
 def test_hugging_face_gpt2_block_with_an_op_of_its_own(fault, op, phase, marker) -> None:
@@ -196,7 +203,10 @@ class NormalisedResNet(ResNet):
 
 @pytest.mark.parametrize(
     ("fault", "op", "phase", "marker"),
-    [("div", "aten.div", "forward", "# <- cnn div"), ("sqrt", "aten.sqrt", "backward", "# <- cnn sqrt")],
+    [
+        ("div", "aten.div", "forward", "# <- cnn div"),
+        ("sqrt", "aten.sqrt", "backward", "# <- cnn sqrt"),
+    ],
     ids=["forward", "backward"],
 )
 def test_a_cnns_top_level_op_between_its_stages(fault, op, phase, marker) -> None:

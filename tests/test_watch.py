@@ -83,7 +83,7 @@ def test_watch_logs_every_step_and_leaves_the_output_alone(
     assert [s["step"] for s in steps] == list(range(12))
     assert [s["step"] for s in steps if s["sampled"]] == [0, 5, 10]
     assert set(steps[5]["act"]) == {"fc1", "act", "fc2"}
-    assert all("loss" in s["scalars"] for s in steps[1:])  # step 0's forward came before us
+    assert all("loss" in s["scalars"] for s in steps)  # step 0's forward watched too
     assert (tmp_path / "out" / "report.html").is_file()
     assert "[hookscope] watching Net (3 modules)" in err
     assert "Net: 12 steps, 0 findings -> report:" in err
@@ -117,6 +117,73 @@ def test_on_nonfinite_raise_stops_the_script(tmp_path: Path) -> None:
     assert [s["step"] for s in steps] == list(range(6))  # raised before step 6's update
 
 
+# A NaN made in step 0's forward: the step where watch attaches.
+FIRST_STEP = """
+import torch, torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)
+        self.poison = False
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.poison:
+            h = torch.log(h - 100.0)  # <- log
+        return self.fc2(self.act(h))
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+for step in range(5):
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    model.poison = step == 0
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("finite", all(bool(p.isfinite().all()) for p in model.parameters()))
+"""
+
+
+@pytest.mark.parametrize(("mode", "finite"), [("log", False), ("skip", True)])
+def test_a_nan_at_the_first_step_is_found_before_its_update_with_its_op(
+    tmp_path: Path, mode: str, finite: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_STEP)
+    assert _watch(tmp_path, sys.executable, str(script), options=("--on-nonfinite", mode)) == 0
+    out, err = capfd.readouterr()
+    assert out == f"finite {finite}\n"  # skip: step 0's update never reached the weights
+    findings = _records(tmp_path / "out", "finding")
+    first = findings[0]
+    line = next(i + 1 for i, text in enumerate(FIRST_STEP.splitlines()) if "# <- log" in text)
+    assert (first["kind"], first["step"], first["module"]) == ("nonfinite", 0, "")  # Net.forward itself
+    assert (first["op"], first["source"]) == ("aten.log", f"{script}:{line}")
+    assert "Net step 0: nonfinite in the model" in err
+    skipped = [e for e in _records(tmp_path / "out", "event") if e["kind"] == "skipped_step"]
+    assert [e["step"] for e in skipped] == ([0] if mode == "skip" else [])
+
+
+def test_an_optimizer_made_before_the_start_up_hook_is_still_watched(tmp_path: Path) -> None:
+    # Optimizer.__init__ unwrapped again, as if the optimizer came before the start-up hook:
+    # the model is found at its first step, and every step is logged.
+    script = _script(tmp_path, steps=6)
+    text = script.read_text().replace(
+        "opt = torch.optim.SGD(",
+        "import _hookscope_boot\n"
+        "torch.optim.Optimizer.__init__ = torch.optim.Optimizer.__init__.__wrapped__\n"
+        "opt = torch.optim.SGD(",
+    )
+    script.write_text(text)
+    assert _watch(tmp_path, sys.executable, str(script), options=("--every", "1")) == 0
+    steps = _records(tmp_path / "out", "step")
+    assert [s["step"] for s in steps] == list(range(6))
+    assert steps[0]["param"] and "loss" not in steps[0]["scalars"]  # step 0 seen from its end
+    assert all("loss" in s["scalars"] for s in steps[1:])
+
+
 def test_a_process_that_never_steps_imports_nothing_and_writes_nothing(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -126,6 +193,16 @@ def test_a_process_that_never_steps_imports_nothing_and_writes_nothing(
     assert out == "['_hookscope_boot']\n"  # the start-up hook alone: no torch, no hookscope
     assert "nothing to report: no model was watched" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_that_cannot_be_watched_gets_the_whole_message(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, steps=2)
+    assert _watch(tmp_path, sys.executable, str(script), options=("--where", "nosuch")) == 0
+    err = capfd.readouterr().err
+    assert "hookscope watch: not watching Net: No module named 'nosuch' in Net.\n    Hint:" in err
+    assert "'fc1', 'act', 'fc2'" in err  # the message's further lines, not only its first
 
 
 # -- several models and optimizers -------------------------------------------------------------
@@ -168,9 +245,9 @@ def test_a_gan_with_two_optimizers_gets_two_logs(
     (tmp_path / "gan.py").write_text(GAN)
     assert _watch(tmp_path, sys.executable, str(tmp_path / "gan.py"), options=("--every", "1")) == 0
     out = tmp_path / "out"
-    first, second = out, out / "Generator"  # the first model stepped, then the next one
-    assert _records(first, "header")[0]["model"] == "Discriminator"
-    assert _records(second, "header")[0]["model"] == "Generator"
+    first, second = out, out / "Discriminator"  # the first optimizer made, then the next
+    assert _records(first, "header")[0]["model"] == "Generator"
+    assert _records(second, "header")[0]["model"] == "Discriminator"
     for log_dir in (first, second):
         steps = _records(log_dir, "step")
         assert [s["step"] for s in steps] == list(range(8))
@@ -295,10 +372,12 @@ def test_progress_lines_follow_the_log_as_it_grows(
     log = tmp_path / "hookscope.jsonl"
     stream = io.StringIO()
     progress = _Progress(tmp_path, stream, interval=0.0)
+    long = "word " * 80 + "\nFix: the end of a long message."
     lines = [
         {"type": "header", "model": "Net", "modules": {"fc1": "Linear", "fc2": "Linear"}},
         *({"type": "step", "step": i} for i in range(3)),
         {"type": "finding", "step": 2, "kind": "nonfinite", "module": "fc2", "message": "NaN"},
+        {"type": "finding", "step": 2, "kind": "dead_units", "module": "", "message": long},
     ]
     text = "".join(json.dumps(r) + "\n" for r in lines)
     log.write_text(text + '{"type": "step", "st')  # a line still being written
@@ -306,6 +385,8 @@ def test_progress_lines_follow_the_log_as_it_grows(
     assert stream.getvalue().splitlines() == [
         f"[hookscope] watching Net (2 modules) -> {tmp_path.name}",
         "[hookscope] Net step 2: nonfinite in fc2: NaN",
+        "[hookscope] Net step 2: dead_units in the model: " + "word " * 80,
+        "    Fix: the end of a long message.",  # whole, not cut at 200 characters
         "[hookscope] Net: 3 steps",
     ]
     with log.open("a") as f:
@@ -350,6 +431,42 @@ def test_a_signal_to_watch_reaches_the_script_and_the_report_is_written(
     assert (tmp_path / "out" / "report.html").is_file()
     with pytest.raises(ProcessLookupError):  # the script is gone, not orphaned
         os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
+STUBBORN = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a script that ignores SIGTERM
+open(os.environ["PID_FILE"], "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_a_second_signal_ends_a_command_that_ignores_the_first(tmp_path: Path) -> None:
+    (tmp_path / "stubborn.py").write_text(STUBBORN)
+    pid_file = tmp_path / "pid"
+    env = {**os.environ, "PID_FILE": str(pid_file)}
+    command = [sys.executable, "-m", "hookscope", "watch", "--out", str(tmp_path / "out")]
+    parent = subprocess.Popen(
+        [*command, "--", sys.executable, str(tmp_path / "stubborn.py")],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        if parent.poll() is not None or time.monotonic() > deadline:
+            parent.kill()
+            pytest.fail(f"the script did not start: {parent.communicate()[1]}")
+        time.sleep(0.1)
+    parent.send_signal(signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):  # ignored: it goes on
+        parent.wait(timeout=1.0)
+    parent.send_signal(signal.SIGTERM)
+    err = parent.communicate(timeout=60)[1]
+    assert parent.returncode == 143, err
+    assert "the command did not end after a second SIGTERM: killed it (SIGKILL)" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
 
 
 # -- usage -------------------------------------------------------------------------------------

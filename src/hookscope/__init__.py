@@ -6,6 +6,7 @@ values and gradients, tap intermediate tensors, monitor and diagnose training, a
 
 from ._capture import Capture as Capture
 from ._capture import capture as capture
+from ._compare import compare as compare
 from ._dataset import FeatureStore as FeatureStore
 from ._dataset import extract_dataset as extract_dataset
 from ._diagnose import Finding as Finding
@@ -61,6 +62,7 @@ __all__ = [
     "TensorBoardSink",
     "Thresholds",
     "capture",
+    "compare",
     "extract",
     "extract_dataset",
     "intervene",

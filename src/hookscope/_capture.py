@@ -344,6 +344,12 @@ class Capture:
             lines.append(f"  never ran: {_names(self.missing)}")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        from ._notebook import capture_html
+        from ._tree import describe
+
+        return capture_html(self, describe)
+
 
 def _exact_names(where: Where, names: tuple[str, ...]) -> list[str]:
     """The names a user spelled out exactly (warn if those never run; globs stay quiet)."""

@@ -81,6 +81,23 @@ def _parser() -> _Parser:
     )
     report.set_defaults(run=_report)
 
+    diff = sub.add_parser(
+        "diff",
+        help="print the first module and step where two monitored runs part",
+        description="Compare two runs' logs step by step, modules in execution order, and print "
+        "the first statistic that differs beyond the tolerance. Exit status 1 when the runs "
+        "diverge, 0 when they agree.",
+    )
+    diff.add_argument("log_a", metavar="LOG_A", help="the first run's log_dir, or its .jsonl")
+    diff.add_argument("log_b", metavar="LOG_B", help="the second run's")
+    diff.add_argument(
+        "--rtol", type=float, default=1e-3, help="relative tolerance (default: %(default)s)"
+    )
+    diff.add_argument(
+        "--atol", type=float, default=1e-6, help="absolute tolerance (default: %(default)s)"
+    )
+    diff.set_defaults(run=_diff)
+
     summ = sub.add_parser(
         "summary",
         help="print a table of a model's modules, shapes and parameter counts",
@@ -223,6 +240,17 @@ def _report(args: argparse.Namespace) -> int:
 
     print(report(args.log_dir, args.out))
     return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from ._compare import compare
+
+    found = compare(args.log_a, args.log_b, rtol=args.rtol, atol=args.atol)
+    if found is None:
+        print(f"the runs agree (rtol={args.rtol:g}, atol={args.atol:g})")
+        return 0
+    print(found)
+    return 1
 
 
 def _summary(args: argparse.Namespace) -> int:

@@ -921,6 +921,11 @@ class FeatureStore:
         state = "" if self.complete else ", incomplete"
         return f"FeatureStore({str(self.path)!r}, {len(self)} rows{state}, {{{sites}}})"
 
+    def _repr_html_(self) -> str:
+        from ._notebook import feature_store_html
+
+        return feature_store_html(self)
+
     def _open(self, path: Path) -> Any:
         handle = self._handles.pop(path, None)
         if handle is None:

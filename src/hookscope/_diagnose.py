@@ -54,6 +54,11 @@ class Finding:
         cleared = "" if self.cleared_at is None else f" (cleared at step {self.cleared_at})"
         return f"[step {self.step}] {self.kind} at {self.module!r}: {self.message}{cleared}"
 
+    def _repr_html_(self) -> str:
+        from ._notebook import finding_html
+
+        return finding_html(self)
+
 
 @dataclass(frozen=True)
 class Graph:

@@ -64,6 +64,10 @@ class HookSet:
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
         self._prune_at = _PRUNE_AT
+        # Ids of the hooks this set put on modules; forgotten also when the set is collected
+        # without remove() (its modules went with it).
+        self._module_ids: set[int] = set()
+        weakref.finalize(self, _forget_module_hooks, self._module_ids)
         _LIVE.add(self)
 
     # -- modules ---------------------------------------------------------------------------
@@ -80,6 +84,7 @@ class HookSet:
         self._keep_module_hook(handle)
 
     def _keep_module_hook(self, handle: RemovableHandle) -> None:
+        self._module_ids.add(handle.id)
         _MODULE_HOOK_IDS.add(handle.id)
         _install_getstate()
         self._keep(handle)
@@ -120,12 +125,9 @@ class HookSet:
         while self._tensor_handles:
             self._tensor_handles.pop().remove()
         while self._handles:
-            handle = self._handles.pop()
-            handle.remove()
-            _MODULE_HOOK_IDS.discard(handle.id)
+            self._handles.pop().remove()
         self._prune_at = _PRUNE_AT
-        if not _MODULE_HOOK_IDS:
-            _uninstall_getstate()
+        _forget_module_hooks(self._module_ids)
 
     def __len__(self) -> int:
         return len(self._handles) + sum(_alive(h) for h in self._tensor_handles)
@@ -150,6 +152,15 @@ def _alive(handle: RemovableHandle) -> bool:
 # nn.Module's own __getstate__, while ours stands in for it; None while it is not installed.
 _original_getstate: Callable[[nn.Module], dict[str, Any]] | None = None
 _module_getstate = nn.Module.__getstate__  # torch's, for ours left in another wrapper's chain
+
+
+def _forget_module_hooks(ids: set[int]) -> None:
+    """The hooks ``ids`` are gone: stop leaving them out, and give torch's
+    ``__getstate__`` back once no HookSet holds module hooks."""
+    _MODULE_HOOK_IDS.difference_update(ids)
+    ids.clear()
+    if not _MODULE_HOOK_IDS:
+        _uninstall_getstate()
 
 
 def _install_getstate() -> None:

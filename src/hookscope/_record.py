@@ -88,3 +88,8 @@ class Record:
     def __repr__(self) -> str:
         inner = ", ".join(f"{key}={describe(value)}" for key, value in self._fields())
         return f"Record({self.name!r}, call={self.call}, {inner})"
+
+    def _repr_html_(self) -> str:
+        from ._notebook import record_html
+
+        return record_html(self, describe)

@@ -102,6 +102,11 @@ class Summary:
             f"{self.total['params']:,} params, {self.total['trainable']:,} trainable)"
         )
 
+    def _repr_html_(self) -> str:
+        from ._notebook import summary_html
+
+        return summary_html(self)
+
     def __rich__(self) -> Any:
         from rich.table import Table  # rich calls __rich__, so it is already imported
 

@@ -11,8 +11,9 @@ step instead, and the Monitor attached from a pre-hook on that optimizer, which 
 later in the same ``step()`` (a global hook registered while torch iterates the global hooks
 would break that iteration); that step's forward and backward then came before the Monitor.
 
-Log layout: the first model to be stepped logs to ``out``, every further one to
-``out/<ModelClass>`` (``-2``, ``-3`` for a class seen twice), each a Monitor ``log_dir``.
+Log layout: the first model watched (the one whose optimizer was made first) logs to ``out``,
+every further one to ``out/<ModelClass>`` (``-2``, ``-3`` for a class seen twice), each a
+Monitor ``log_dir``.
 
 Step boundary: after the optimizer step, from a global post-hook registered after the
 Monitor's own (so the update has been measured). A model stepped by several optimizers gets

@@ -83,7 +83,9 @@ def _global_hooks_of_other_models(model: nn.Module) -> set[int]:
     global_dicts = {id(getattr(_optimizer, attr, None)) for attr in _GLOBAL_HOOK_DICTS}
     elsewhere: set[int] = set()
     for handles in live_handle_sets():
-        local = [id(h.hooks_dict_ref()) for h in handles if id(h.hooks_dict_ref()) not in global_dicts]
+        local = [
+            id(h.hooks_dict_ref()) for h in handles if id(h.hooks_dict_ref()) not in global_dicts
+        ]
         if local and not on_model.intersection(local):
             elsewhere.update(h.id for h in handles if id(h.hooks_dict_ref()) in global_dicts)
     return elsewhere

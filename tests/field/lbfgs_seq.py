@@ -55,13 +55,13 @@ def make_waves(n, length, period, seed):
 def main():
     np.random.seed(0)
     torch.manual_seed(0)
-    data = torch.from_numpy(make_waves(12, 60, 5.0, seed=2))
+    data = torch.from_numpy(make_waves(12, 40, 4.0, seed=2))
     input, target = data[3:, :-1], data[3:, 1:]
     test_input, test_target = data[:3, :-1], data[:3, 1:]
     seq = Sequence().double()
     criterion = nn.MSELoss()
-    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8, max_iter=6)
-    for i in range(8):
+    optimizer = torch.optim.LBFGS(seq.parameters(), lr=0.8, max_iter=5)
+    for i in range(6):
         seq.poisoned = FAULT == "nan" and i == 3
 
         def closure():

@@ -688,6 +688,11 @@ class Monitor:
             f"{len(self.findings)} findings)"
         )
 
+    def _repr_html_(self) -> str:
+        from .._notebook import monitor_html
+
+        return monitor_html(self)
+
 
 def _thresholds(base: Thresholds | None, overrides: dict[str, float]) -> Thresholds:
     """``base`` with single fields overridden; a misspelt keyword gets a did-you-mean."""

@@ -100,12 +100,7 @@ def _to_lists(values: list[torch.Tensor]) -> list[list[float]]:
     device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
     scalars = [i for i, v in enumerate(values) if v.dim() == 0]
     rest = [i for i, v in enumerate(values) if v.dim() != 0]
-    parts = []
-    if scalars:
-        stacked = [values[i] for i in scalars]
-        if len({v.device for v in stacked}) > 1:
-            stacked = [v.to(device) for v in stacked]
-        parts.append(torch.stack(stacked).to(device))
+    parts = [_stack([values[i] for i in scalars], device)] if scalars else []
     parts += [values[i].reshape(-1).to(device) for i in rest]
     flat = torch.cat([p.to(dtype=torch.float64) for p in parts]).tolist()
     out: list[list[float]] = [[] for _ in values]
@@ -117,6 +112,14 @@ def _to_lists(values: list[torch.Tensor]) -> list[list[float]]:
         out[i] = flat[at : at + n]
         at += n
     return out
+
+
+def _stack(scalars: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``scalars`` in one tensor on ``device`` (moved one by one only when on several)."""
+    try:
+        return torch.stack(scalars).to(device)
+    except RuntimeError:  # on several devices
+        return torch.stack([v.to(device) for v in scalars])
 
 
 def _combine(reduce: Reduce, old: list[float], new: list[float]) -> list[float]:

@@ -1,28 +1,26 @@
-"""report(): one self-contained HTML file built from a hookscope log alone.
+"""report(): one self-contained HTML file built from hookscope logs alone.
 
-Findings come first, then the training curves, per-module statistics as small multiples,
-heatmaps, feature maps and the model summary. Plots need matplotlib (``hookscope[plot]``);
-without it the report still holds every table and says how to get the plots.
+Findings come first (a timeline with current and cleared ones, then the tables), then where
+a NaN began with the statistics just before it, the training curves, per-module statistics
+as small multiples, layers x steps heatmaps, histograms over steps, feature maps and the
+model summary. The charts are interactive (uPlot, vendored: values on hover, drag to zoom,
+one step cursor across every chart) and the file fetches nothing. Several logs overlay
+their runs on the same charts.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import time
+from collections.abc import Sequence
+from html import escape
 from pathlib import Path
 from typing import Any
 
 from ._data import Run, load_run
-from ._html import HINTS, img, page, section, summary_table, table
+from ._html import HINTS, page, section, summary_table, table
 
 __all__ = ["report"]
-
-_NO_PLOTS = (
-    '<p class="note">Plots need matplotlib, which is not installed: '
-    "<code>pip install 'hookscope[plot]'</code>. The tables below hold the numbers.</p>"
-)
-
 
 _NO_LOSS = (
     '<p class="note">No loss was logged: no step of this run holds a <code>loss</code> scalar. '
@@ -33,17 +31,29 @@ _NO_LOSS = (
     "<code>mon.step(loss=loss)</code> to log it.</p>"
 )
 
+_HELP = (
+    '<p class="help">Hover a chart for its values; drag across it to zoom every chart to '
+    "those steps, double-click to zoom out. The step cursor is shared by all charts. "
+    "Red line: the step where a NaN/Inf began; dashed: a finding's step.</p>"
+)
 
-def report(log_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write a self-contained HTML report of a monitored run, read from its log alone.
+_COLORS = ["#1f6fb4", "#d6402b", "#2a9d4b", "#8a55c0", "#e08a10", "#148f8f"]
+
+
+def report(log_dir: str | Path | Sequence[str | Path], out: str | Path | None = None) -> Path:
+    """Write a self-contained, interactive HTML report of monitored runs, from their logs.
 
     Args:
-        log_dir: The Monitor's ``log_dir`` (holding ``hookscope.jsonl``) or the log file.
-        out: Where to write; defaults to ``report.html`` next to the log.
+        log_dir: The Monitor's ``log_dir`` (holding ``hookscope.jsonl``) or the log file;
+            or a list of them, to overlay the runs on the same charts (before and after a
+            change, eager and compiled, fp32 and bf16). :func:`hookscope.compare` says
+            where two runs first part.
+        out: Where to write; defaults to ``report.html`` next to the log (for several
+            logs, ``runs.html`` next to the first).
 
     Returns:
-        The path of the HTML file. It embeds its images and fetches nothing, so it opens
-        offline in any browser.
+        The path of the HTML file. It embeds its data and its scripts and fetches nothing,
+        so it opens offline in any browser.
 
     Raises:
         HookscopeError: If there is no log at ``log_dir``, a line of it is not JSON, or the
@@ -53,36 +63,86 @@ def report(log_dir: str | Path, out: str | Path | None = None) -> Path:
         >>> import hookscope as hs
         >>> hs.report("runs/exp1")  # doctest: +SKIP
         PosixPath('runs/exp1/report.html')
+        >>> hs.report(["runs/fp32", "runs/bf16"])  # doctest: +SKIP
+        PosixPath('runs/fp32/runs.html')
     """
-    run = load_run(log_dir)
-    target = Path(out) if out is not None else run.path.parent / "report.html"
-    plots = _plots_module()
-    body = [_findings(run)]
-    if plots is None:
-        body.insert(0, _NO_PLOTS)
-    body += [_curves(run, plots), _modules(run, plots), _heatmaps(run, plots)]
-    body += [_feature_maps(run, plots), _summary(run), _latest(run), _events(run)]
-    header = run.header
-    title = f"hookscope report: {header.get('model', 'model')}"
-    sampled = len(run.sampled)
-    subtitle = (
-        f"{run.path} · {len(run.steps)} steps ({sampled} sampled) · "
-        f"{len(header.get('modules') or {})} modules watched · hookscope {header.get('hookscope', '?')}"
-        f" · generated {time.strftime('%Y-%m-%d %H:%M')}"
-    )
+    from ._payload import dump, payload  # numpy: imported when a report is written
+
+    many = not isinstance(log_dir, (str, Path))
+    dirs = list(log_dir) if many else [log_dir]  # type: ignore[list-item]
+    if not dirs:
+        raise ValueError("report() needs at least one log directory")
+    runs = [load_run(d) for d in dirs]
+    _name_runs(runs)
+    default = "runs.html" if many else "report.html"
+    target = Path(out) if out is not None else runs[0].path.parent / default
+    body = [_HELP if any(r.steps for r in runs) else ""]
+    for run in runs:
+        body.append(_per_run(run, many, _findings(run), "findings"))
+    body.append(_nan(runs))
+    body += [_curves(runs), _modules(runs), _heatmaps(runs), _feature_maps(runs)]
+    for run in runs:
+        body += [
+            _per_run(run, many, _summary(run), "summary"),
+            _per_run(run, many, _latest(run), "latest"),
+            _per_run(run, many, _events(run), "events"),
+        ]
+    title = f"hookscope report: {_models(runs)}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(page(title, subtitle, "".join(b for b in body if b)), encoding="utf-8")
+    html = page(
+        title, _subtitle(runs), "".join(b for b in body if b), dump(payload(runs)), _nav(runs)
+    )
+    target.write_text(html, encoding="utf-8")
     return target
 
 
-def _plots_module() -> Any:
-    try:
-        if importlib.util.find_spec("matplotlib") is None:
-            return None
-        from . import _plots
-    except ImportError:
-        return None
-    return _plots
+def _name_runs(runs: list[Run]) -> None:
+    """Overlaid runs need distinct names: their directories', made unique."""
+    seen: dict[str, int] = {}
+    for run in runs:
+        name = run.label
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            run.name = f"{name} ({seen[name]})"
+
+
+def _models(runs: list[Run]) -> str:
+    names = [str(r.header.get("model", "model")) for r in runs]
+    return names[0] if len(set(names)) == 1 else " vs ".join(names)
+
+
+def _subtitle(runs: list[Run]) -> str:
+    parts = []
+    for run in runs:
+        parts.append(
+            f"{run.path} · {len(run.steps)} steps ({len(run.sampled)} sampled) · "
+            f"{len(run.header.get('modules') or {})} modules watched"
+        )
+    version = runs[0].header.get("hookscope", "?")
+    return (
+        " | ".join(parts) + f" · hookscope {version} · generated {time.strftime('%Y-%m-%d %H:%M')}"
+    )
+
+
+def _nav(runs: list[Run]) -> str:
+    links = [("findings", "Findings"), ("curves", "Curves"), ("modules", "Per module")]
+    links += [("heatmaps", "Layers × steps"), ("summary", "Summary")]
+    if len(runs) > 1:
+        keys = "".join(
+            f'<span class="run-label" style="background:{_COLORS[i % len(_COLORS)]}"></span>'
+            f"{escape(r.label)} "
+            for i, r in enumerate(runs)
+        )
+        return f"<nav>{keys}</nav>"
+    return "<nav>" + "".join(f'<a href="#{a}">{t}</a>' for a, t in links) + "</nav>"
+
+
+def _per_run(run: Run, many: bool, html: str, ident: str) -> str:
+    """A run's own section; with several runs, named after the run."""
+    if not many or not html:
+        return html
+    label = escape(run.label)
+    return html.replace(f'id="{ident}"><h2>', f'id="{ident}-{label}"><h2>{label}: ', 1)
 
 
 def _findings(run: Run) -> str:
@@ -92,7 +152,7 @@ def _findings(run: Run) -> str:
         ok = '<p class="ok">No findings: every check passed.</p>'
         return section("findings", "Findings", ok + never)
     head = ["Kind", "Module", "Where (phase, op, line)", "Step", "Value", "Evidence", "Hint"]
-    parts = []
+    parts = ['<div id="hs-timeline"></div>']
     if current:
         rows = [_finding_row(f) for f in current]
         classes = [f"kind-{f.get('kind', '')}" for f in current]
@@ -142,88 +202,90 @@ def _never_ran(run: Run) -> str:
     )
 
 
-def _curves(run: Run, plots: Any) -> str:
-    series = run.scalars()
-    note = "" if "loss" in series or not run.steps else _NO_LOSS
-    if not series:
-        return section("curves", "Loss and learning rate", note) if note else ""
-    if plots is not None:
-        body = img(plots.curves(series), "scalars over steps")
-    else:
-        rows = [[name, xs[-1], _last(ys), _min(ys), _max(ys)] for name, (xs, ys) in series.items()]
-        body = table(["Scalar", "Last step", "Last", "Min", "Max"], rows, cls="scalars")
-    return section("curves", "Loss and learning rate", note + body)
-
-
-def _modules(run: Run, plots: Any) -> str:
-    if plots is None or not run.sampled:
-        return ""
+def _nan(runs: list[Run]) -> str:
+    """Where a NaN/Inf began, and every module's statistics at the last sampled step
+    before it: what the values looked like while they were still finite."""
     parts = []
-    mean, std = run.stat("act", "mean"), run.stat("act", "std")
-    if mean:
-        band = {name: std.get(name, (xs, [0.0] * len(xs)))[1] for name, (xs, _) in mean.items()}
+    for run in runs:
+        start = run.nan_start()
+        if start is None:
+            continue
+        who = escape(str(start.get("module") or "?"))
+        how = " ".join(escape(str(start[k])) for k in ("phase", "op", "source") if start.get(k))
+        name = f"{escape(run.label)}: " if len(runs) > 1 else ""
         parts.append(
-            img(
-                plots.small_multiples(mean, title="activation mean ± std", band=band),
-                "activation mean and std",
-            )
+            f'<p class="nan">{name}Non-finite values began at step <b>{start["step"]}</b> in '
+            f"<b>{who}</b>{' (' + how + ')' if how else ''}; every chart marks that step with a "
+            "red line.</p>"
         )
-    zero = run.stat("act", "zero_frac")
-    if zero:
-        parts.append(
-            img(
-                plots.small_multiples(zero, title="fraction of zeros in the output"),
-                "zero fraction",
+        before = run.last_sampled_before(int(start["step"]))
+        if before is None:
+            parts.append(
+                '<p class="note">No sampled step before it holds statistics (sample more '
+                "often with <code>Monitor(every=1)</code> to see the steps before a NaN).</p>"
             )
-        )
-    grad = run.stat("grad", "norm")
-    if grad:
-        parts.append(
-            img(
-                plots.small_multiples(grad, title="gradient norm of the output", log=True),
-                "gradient norm",
+        else:
+            parts.append(
+                f"<h3>Statistics at step {before['step']}, the last sampled step before it</h3>"
             )
-        )
-    ratio = run.update_ratios()
-    if ratio:
-        parts.append(
-            img(
-                plots.small_multiples(
-                    ratio, title="update ratio ‖ΔW‖/‖W‖ (dashed: 1e-3)", log=True, guide=1e-3
-                ),
-                "update ratio",
-            )
-        )
-    return section("modules", "Per module, over steps", "".join(parts)) if parts else ""
+            parts.append(_stats_table(run, before, cls="before-nan"))
+    return section("nan", "Where the NaN began", "".join(parts)) if parts else ""
 
 
-def _heatmaps(run: Run, plots: Any) -> str:
-    if plots is None:
+def _curves(runs: list[Run]) -> str:
+    notes = "".join(
+        _NO_LOSS.replace("this run", escape(r.label)) if len(runs) > 1 else _NO_LOSS
+        for r in runs
+        if r.steps and "loss" not in r.scalars()
+    )
+    if not any(r.scalars() for r in runs):
+        return section("curves", "Loss and learning rate", notes) if notes else ""
+    rows = []
+    for run in runs:
+        for name, (xs, ys) in run.scalars().items():
+            label = f"{run.label}: {name}" if len(runs) > 1 else name
+            rows.append([label, xs[-1], _last(ys), _min(ys), _max(ys)])
+    summary = table(["Scalar", "Last step", "Last", "Min", "Max"], rows, cls="scalars")
+    return section(
+        "curves",
+        "Loss and learning rate",
+        notes + '<div id="hs-curves" class="grid"></div>' + summary,
+    )
+
+
+def _modules(runs: list[Run]) -> str:
+    if not any(r.sampled for r in runs):
         return ""
-    parts = []
-    grad = run.stat("grad", "norm")
-    if grad:
-        parts.append(img(plots.grad_heatmap(grad), "gradient norm heatmap"))
-    hists = run.hists()
-    if hists:
-        parts.append(img(plots.hist_heatmaps(hists), "activation histograms"))
-    return section("heatmaps", "Layers × steps", "".join(parts)) if parts else ""
+    order = ", ".join(runs[0].order()[:12])
+    more = "…" if len(runs[0].order()) > 12 else ""
+    note = f'<p class="help">Modules in the order they ran: {escape(order)}{more}</p>'
+    return section("modules", "Per module, over steps", note + '<div id="hs-modules"></div>')
 
 
-def _feature_maps(run: Run, plots: Any) -> str:
-    if not run.feature_maps:
+def _heatmaps(runs: list[Run]) -> str:
+    if not any(r.sampled for r in runs):
         return ""
-    if plots is None:
-        rows = [
-            [r.get("module", ""), r.get("step", ""), str(r.get("shape", ""))]
-            for r in run.feature_maps
-        ]
-        return section("feature-maps", "Feature maps", table(["Module", "Step", "Shape"], rows))
-    parts = [
-        img(plots.feature_grid(r), f"feature maps of {r.get('module', '')}")
-        for r in run.feature_maps
-    ]
-    return section("feature-maps", "Feature maps", "".join(parts))
+    return section(
+        "heatmaps",
+        "Layers × steps",
+        '<div id="hs-heat"></div><h3>Activation histograms over steps (value × step)</h3>'
+        '<p class="help">Logged with <code>Monitor(histograms=True)</code>; each column is a '
+        'step\'s distribution of the output values.</p><div id="hs-hists"></div>'
+        if any(r.hists() for r in runs)
+        else '<div id="hs-heat"></div>',
+    )
+
+
+def _feature_maps(runs: list[Run]) -> str:
+    maps = [r for run in runs for r in run.feature_maps]
+    if not maps:
+        return ""
+    rows = [[r.get("module", ""), r.get("step", ""), str(r.get("shape", ""))] for r in maps]
+    return section(
+        "feature-maps",
+        "Feature maps",
+        '<div id="hs-maps"></div>' + table(["Module", "Step", "Shape"], rows, cls="maps-index"),
+    )
 
 
 def _summary(run: Run) -> str:
@@ -233,12 +295,21 @@ def _summary(run: Run) -> str:
 
 
 def _latest(run: Run) -> str:
-    sampled = run.sampled
+    sampled = [s for s in run.sampled if s.get("act") or s.get("grad")]
     if not sampled:
         return ""
     last = sampled[-1]
-    act, grad = last.get("act") or {}, last.get("grad") or {}
-    names = [n for n in (run.header.get("modules") or {}) if n in act or n in grad]
+    return section(
+        "latest",
+        f"Statistics at the last sampled step ({last.get('step')})",
+        _stats_table(run, last, cls="latest"),
+    )
+
+
+def _stats_table(run: Run, step: dict[str, Any], *, cls: str) -> str:
+    """Every module's statistics at one sampled step, in the order the modules ran."""
+    act, grad = step.get("act") or {}, step.get("grad") or {}
+    names = [n for n in run.order() if n in act or n in grad]
     names += [n for n in [*act, *grad] if n not in names]
     rows = []
     for name in names:
@@ -255,11 +326,7 @@ def _latest(run: Run) -> str:
             ]
         )
     head = ["Module", "Mean", "Std", "|x| max", "Zero frac", "Saturated", "Grad norm"]
-    return section(
-        "latest",
-        f"Statistics at the last sampled step ({last.get('step')})",
-        table(head, rows, cls="latest"),
-    )
+    return table(head, rows, cls=cls)
 
 
 def _events(run: Run) -> str:

@@ -24,6 +24,7 @@ class Run:
     events: list[dict[str, Any]] = field(default_factory=list)
     feature_maps: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
+    name: str = ""
 
     @property
     def sampled(self) -> list[dict[str, Any]]:
@@ -97,8 +98,57 @@ class Run:
             if name not in shapes or len(shapes[name]) >= 2
         }
 
+    @property
+    def label(self) -> str:
+        """A short name for the run in an overlay: its log directory's name."""
+        return self.name or self.path.parent.name or str(self.path)
+
+    def order(self) -> list[str]:
+        """Watched modules in the order they ran: the reverse of the backward pass's
+        ``grad_order`` (gradients arrive last layer first); a module with no gradient keeps
+        its place after the ``named_modules`` neighbour that precedes it."""
+        backward: list[str] = []
+        for s in self.sampled:
+            backward += [n for n in s.get("grad_order") or [] if n not in backward]
+        declared = list(self.header.get("modules") or {})
+        for s in self.sampled:
+            declared += [n for n in s.get("act") or {} if n not in declared]
+        ran = backward[::-1]
+        if not ran:
+            return declared
+        placed = set(ran)
+        out = list(ran)
+        for i, name in enumerate(declared):
+            if name in placed:
+                continue
+            before = next((d for d in reversed(declared[:i]) if d in out), None)
+            out.insert(out.index(before) + 1 if before is not None else 0, name)
+        return out
+
+    def nan_start(self) -> dict[str, Any] | None:
+        """Where non-finite values began: the earliest ``nonfinite`` finding, else the first
+        step whose loss or activations hold a NaN/Inf; ``None`` for a finite run."""
+        found = [f for f in self.findings if f.get("kind") == "nonfinite"]
+        if found:
+            first = min(found, key=lambda f: f.get("step", 0))
+            return {k: first.get(k) for k in ("step", "module", "phase", "op", "source")}
+        for s in self.steps:
+            bad = [n for n, v in (s.get("scalars") or {}).items() if not math.isfinite(_num(v))]
+            bad += [n for n, a in (s.get("act") or {}).items() if a.get("nan") or a.get("inf")]
+            if bad:
+                return {"step": s["step"], "module": bad[0], "phase": None, "op": None}
+        return None
+
+    def last_sampled_before(self, step: int) -> dict[str, Any] | None:
+        """The last sampled step before ``step`` that holds statistics (a sampled step with
+        no module call, as the first of some runs, is skipped)."""
+        for s in reversed(self.sampled):
+            if s["step"] < step and (s.get("act") or s.get("grad")):
+                return s
+        return None
+
     def _ordered(self, series: dict[str, Any]) -> dict[str, Any]:
-        order = list(self.header.get("modules") or {}) + list(self.header.get("params") or {})
+        order = self.order() + list(self.header.get("params") or {})
         rank = {name: i for i, name in enumerate(order)}
         return dict(sorted(series.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 

@@ -1,15 +1,20 @@
-"""The report's HTML: one page, inline CSS, images as data URIs; nothing is fetched."""
+"""The report's HTML: one page with its CSS, its data and its scripts inline; nothing is
+fetched. The charts are drawn by uPlot (vendored in ``vendor/``, MIT) from the JSON in
+``#hs-data``; the tables are plain HTML, readable with scripts off."""
 
 from __future__ import annotations
 
-import base64
 import math
+from functools import cache
 from html import escape
+from pathlib import Path
 from typing import Any
 
 from .._format import format_bytes, format_shapes
 
-__all__ = ["HINTS", "fmt", "img", "page", "section", "table"]
+__all__ = ["HINTS", "fmt", "page", "section", "table"]
+
+_HERE = Path(__file__).parent
 
 HINTS = {
     "nonfinite": "A NaN/Inf first appeared here while its inputs were finite: check divisions, "
@@ -37,7 +42,17 @@ th,td{border-bottom:1px solid #e6e9ee;padding:3px 8px;text-align:left;vertical-a
 th{background:#f0f2f5} td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.kind-nonfinite td:first-child,tr.kind-exploding_gradient td:first-child{color:#b3261e;font-weight:600}
 tr.kind-vanishing_gradient td:first-child,tr.kind-dead_units td:first-child{color:#a15c00;font-weight:600}
-img{max-width:100%;display:block;margin:6px 0}
+nav{font-size:13px;margin:10px 0 0} nav a{color:#9cc8f0;margin-right:14px;text-decoration:none}
+.grid{display:flex;flex-wrap:wrap;gap:6px 14px} .panel{margin:4px 0}
+.uplot{font-family:system-ui,sans-serif} .u-title{font-size:12px!important;font-weight:600!important}
+.u-legend{font-size:11px} .u-legend .u-value{font-variant-numeric:tabular-nums}
+.heat{position:relative;margin:6px 0} .heat-title{font-size:12px;font-weight:600;margin:2px 0}
+.heat canvas{display:block;cursor:crosshair}
+.tip{position:absolute;display:none;background:#1d2430;color:#fff;font-size:11px;padding:3px 6px;border-radius:3px;pointer-events:none;white-space:nowrap;z-index:5}
+.maps canvas{margin:2px;image-rendering:pixelated} .maps{margin:8px 0}
+.nan{background:#fdecea;border:1px solid #f1b0a8;padding:8px 12px;border-radius:4px;font-size:13px}
+.run-label{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px}
+.help{color:#5b6573;font-size:12px;margin:0 0 6px}
 .note{background:#fff8e1;border:1px solid #f0d98a;padding:8px 12px;border-radius:4px;font-size:13px}
 .ok{color:#1b7f3b;font-weight:600} code{background:#f0f2f5;padding:1px 4px;border-radius:3px}
 .mono{font-family:ui-monospace,Menlo,Consolas,monospace}
@@ -81,11 +96,6 @@ def table(
     return "".join(out)
 
 
-def img(png: bytes, alt: str) -> str:
-    data = base64.b64encode(png).decode("ascii")
-    return f'<img class="plot" alt="{escape(alt)}" src="data:image/png;base64,{data}">'
-
-
 def section(ident: str, title: str, body: str) -> str:
     return f'<section id="{escape(ident)}"><h2>{escape(title)}</h2>{body}</section>'
 
@@ -122,10 +132,20 @@ def _shapes(value: Any) -> str:
     return format_shapes(value)
 
 
-def page(title: str, subtitle: str, body: str) -> str:
+@cache
+def _asset(name: str) -> str:
+    return (_HERE / name).read_text(encoding="utf-8")
+
+
+def page(title: str, subtitle: str, body: str, data: str, nav: str = "") -> str:
+    """The whole file: ``data`` is the charts' JSON, already safe inside ``<script>``."""
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{escape(title)}</title>'
-        f"<style>{_CSS}</style></head><body><header><h1>{escape(title)}</h1>"
-        f"<p>{escape(subtitle)}</p></header><main>{body}</main></body></html>\n"
+        f"<style>{_asset('vendor/uPlot.min.css')}{_CSS}</style></head><body><header>"
+        f"<h1>{escape(title)}</h1><p>{escape(subtitle)}</p>{nav}</header><main>{body}</main>"
+        f'<script id="hs-data" type="application/json">{data}</script>'
+        f"<script>/* uPlot 1.6.32, MIT License, (c) 2022 Leon Sorokin */\n"
+        f"{_asset('vendor/uPlot.iife.min.js')}</script>"
+        f"<script>{_asset('report.js')}</script></body></html>\n"
     )

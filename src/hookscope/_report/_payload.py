@@ -1,0 +1,355 @@
+"""The data a report's charts draw, as compact JSON: nothing here knows HTML or JavaScript.
+
+A chart cannot show more points than it has pixels, so long series are decimated before
+they are written: each pixel column (a bucket of consecutive steps) keeps its smallest and
+its largest value, in the order they came, so a spike or a dip survives at any zoom-out.
+Every module of a run shares the same buckets, so a run's step axis is written once.
+Heatmaps are written as one byte per cell (base64): a quantized log10 or a share of counts.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from ._data import Run
+
+__all__ = ["LINE_STATS", "dump", "payload"]
+
+LINE_BUCKETS = 320  # pixel columns of a small-multiple panel: 2 points each
+CURVE_BUCKETS = 900  # pixel columns of a training-curve panel
+HEAT_COLUMNS = 600  # columns of a layers x steps heatmap
+HIST_COLUMNS = 200  # columns of a histogram-over-steps view
+HIST_BINS = 32
+MAP_CHANNELS = 32  # feature-map channels drawn per record
+
+# (group, statistic, log axis): the per-module small multiples, in page order.
+LINE_STATS = (
+    ("act", "mean", False),
+    ("act", "std", False),
+    ("act", "zero_frac", False),
+    ("grad", "norm", True),
+)
+
+
+class Raw(str):
+    """JSON text to be written as is (numeric arrays formatted once, compactly)."""
+
+
+def payload(runs: list[Run]) -> dict[str, Any]:
+    """Everything the page's script draws, for one run or several overlaid."""
+    return {"runs": [_run(run) for run in runs]}
+
+
+def _run(run: Run) -> dict[str, Any]:
+    order = run.order()
+    sampled = [s for s in run.sampled if s.get("act") or s.get("grad") or s.get("param")]
+    steps = np.array([s["step"] for s in sampled], dtype=np.int64)
+    groups = _matrices(sampled, order)
+    cuts = _buckets(len(steps), LINE_BUCKETS)
+    lines = {}
+    for group, key, log in LINE_STATS:
+        m = groups.get(group, {}).get(key)
+        if m is not None:
+            lines[f"{group}.{key}"] = _series(m, cuts, log)
+    params, ratio = _ratios(run, sampled)
+    nan = run.nan_start()
+    return {
+        "label": run.label,
+        "modules": order,
+        "x": _ints(_bucket_x(steps, cuts)),
+        "lines": lines,
+        "ratio": {"names": params, "y": _series(ratio, cuts, True)},
+        "curves": _curves(run),
+        "heat": _heat(groups.get("grad", {}).get("norm"), steps, order),
+        "hists": _hists(run, order),
+        "findings": _findings(run),
+        "events": [{"step": e.get("step"), "kind": e.get("kind")} for e in run.events],
+        "nan": nan,
+        "maps": [_feature_map(r) for r in run.feature_maps],
+        "first": int(run.steps[0]["step"]) if run.steps else 0,
+        "last": int(run.steps[-1]["step"]) if run.steps else 0,
+    }
+
+
+def _matrices(sampled: list[dict[str, Any]], order: list[str]) -> dict[str, dict[str, Any]]:
+    """``{group: {stat: array [module, sampled step]}}`` for the line statistics, NaN where a
+    module has no value at a step; one pass over the records."""
+    row = {name: i for i, name in enumerate(order)}
+    wanted: dict[str, list[str]] = {}
+    for group, key, _ in LINE_STATS:
+        wanted.setdefault(group, []).append(key)
+    out = {
+        g: {k: np.full((len(order), len(sampled)), np.nan) for k in keys}
+        for g, keys in wanted.items()
+    }
+    for j, s in enumerate(sampled):
+        for group, keys in wanted.items():
+            for name, stats in (s.get(group) or {}).items():
+                i = row.get(name)
+                if i is None:
+                    continue
+                for k in keys:
+                    v = stats.get(k)
+                    if isinstance(v, (int, float)):
+                        out[group][k][i, j] = v
+    return out
+
+
+def _ratios(run: Run, sampled: list[dict[str, Any]]) -> tuple[list[str], Any]:
+    shapes = run.header.get("params") or {}
+    names: list[str] = []
+    for s in sampled:
+        names += [
+            n
+            for n, p in (s.get("param") or {}).items()
+            if "update_ratio" in p and n not in names and len(shapes.get(n, [0, 0])) >= 2
+        ]
+    m = np.full((len(names), len(sampled)), np.nan)
+    col = {n: i for i, n in enumerate(names)}
+    for j, s in enumerate(sampled):
+        for n, p in (s.get("param") or {}).items():
+            if n in col and isinstance(p.get("update_ratio"), (int, float)):
+                m[col[n], j] = p["update_ratio"]
+    return names, m
+
+
+# -- decimation -------------------------------------------------------------------------------
+
+
+def _buckets(n: int, buckets: int) -> Any:
+    """Bucket boundaries over ``n`` points; ``None`` when every point fits."""
+    if n <= 2 * buckets:
+        return None
+    return np.linspace(0, n, buckets + 1).astype(np.int64)
+
+
+def _bucket_x(steps: Any, cuts: Any) -> Any:
+    """The step axis of decimated series: each bucket's first and last step."""
+    if cuts is None:
+        return steps
+    out = np.empty(2 * (len(cuts) - 1), dtype=np.int64)
+    out[0::2] = steps[cuts[:-1]]
+    out[1::2] = steps[cuts[1:] - 1]
+    return out
+
+
+def decimate(rows: Any, cuts: Any) -> Any:
+    """Per bucket of each row, its smallest and largest finite value in the order they
+    came (NaN when a bucket holds none): the shape of the line at pixel resolution, spikes
+    kept. Vectorized over rows and buckets: ``reduceat`` finds each bucket's extremes, and
+    the first column holding each extreme decides which is drawn first."""
+    rows = np.atleast_2d(np.asarray(rows, dtype=float))
+    if cuts is None:
+        return rows
+    starts, n = cuts[:-1], rows.shape[1]
+    finite = np.isfinite(rows)
+    low, high = np.where(finite, rows, np.inf), np.where(finite, rows, -np.inf)
+    mn = np.minimum.reduceat(low, starts, axis=1)
+    mx = np.maximum.reduceat(high, starts, axis=1)
+    bucket = np.repeat(np.arange(len(starts)), np.diff(cuts))
+    cols = np.broadcast_to(np.arange(n), rows.shape)
+    at_mn = np.minimum.reduceat(np.where(low == mn[:, bucket], cols, n), starts, axis=1)
+    at_mx = np.minimum.reduceat(np.where(high == mx[:, bucket], cols, n), starts, axis=1)
+    min_first = at_mn <= at_mx
+    out = np.empty((len(rows), 2 * len(starts)))
+    out[:, 0::2] = np.where(min_first, mn, mx)
+    out[:, 1::2] = np.where(min_first, mx, mn)
+    out[~np.isfinite(out)] = np.nan
+    return out
+
+
+def _series(rows: Any, cuts: Any, log: bool) -> list[Raw]:
+    """Each row (a module's values at the sampled steps) decimated and encoded."""
+    rows = np.atleast_2d(np.asarray(rows, dtype=float))
+    if not rows.size:
+        return []
+    if log:
+        rows = np.where(rows > 0, rows, np.nan)  # a log axis cannot place 0
+    return [_floats(r) for r in decimate(rows, cuts)]
+
+
+def _curves(run: Run) -> dict[str, Any]:
+    """Scalars over every step (loss, lr, grad_norm, ...), decimated together."""
+    names: list[str] = []
+    for s in run.steps:
+        names += [n for n in s.get("scalars") or {} if n not in names]
+    if not names:
+        return {"x": Raw("[]"), "series": {}}
+    steps = np.array([s["step"] for s in run.steps], dtype=np.int64)
+    m = np.full((len(names), len(steps)), np.nan)
+    col = {n: i for i, n in enumerate(names)}
+    for j, s in enumerate(run.steps):
+        for n, v in (s.get("scalars") or {}).items():
+            if isinstance(v, (int, float)):
+                m[col[n], j] = v
+    cuts = _buckets(len(steps), CURVE_BUCKETS)
+    return {
+        "x": _ints(_bucket_x(steps, cuts)),
+        "series": dict(zip(names, [_floats(r) for r in decimate(m, cuts)], strict=True)),
+    }
+
+
+# -- heatmaps ---------------------------------------------------------------------------------
+
+
+def _heat(norms: Any, steps: Any, order: list[str]) -> dict[str, Any] | None:
+    """Layers x steps of log10 ‖grad‖, one byte a cell (255: no value); a column holds the
+    largest value of the steps it covers."""
+    if norms is None or not steps.size:
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.where(norms > 0, np.log10(norms), np.nan)
+    keep = np.isfinite(logs).any(axis=1)
+    if not keep.any():
+        return None
+    logs = logs[keep]
+    cols = min(len(steps), HEAT_COLUMNS)
+    cuts = np.linspace(0, len(steps), cols + 1).astype(np.int64)
+    grid = np.fmax.reduceat(logs, cuts[:-1], axis=1)  # fmax: NaN only where all are
+    lo, hi = float(np.nanmin(grid)), float(np.nanmax(grid))
+    return {
+        "modules": [n for n, k in zip(order, keep, strict=True) if k],
+        "steps": _ints(steps[cuts[:-1]]),
+        "end": int(steps[-1]),
+        "lo": lo,
+        "hi": hi,
+        "cells": _bytes(grid, lo, hi),
+    }
+
+
+def _hists(run: Run, order: list[str]) -> list[dict[str, Any]]:
+    """Per module, value (rows) x step (columns): the share of each value bin, rebinned
+    onto one value range so that a drifting distribution shows as a drifting band."""
+    entries: dict[str, list[tuple[int, float, float, list[float]]]] = {}
+    for s in run.sampled:
+        for name, stats in (s.get("act") or {}).items():
+            h = stats.get("hist")
+            if h and h.get("counts"):
+                entries.setdefault(name, []).append(
+                    (s["step"], _f(h.get("lo")), _f(h.get("hi")), h["counts"])
+                )
+    rank = {n: i for i, n in enumerate(order)}
+    out = []
+    for name in sorted(entries, key=lambda n: rank.get(n, len(rank))):
+        view = _hist_grid(entries[name])
+        if view is not None:
+            out.append({"module": name, **view})
+    return out
+
+
+def _hist_grid(entries: list[tuple[int, float, float, list[float]]]) -> dict[str, Any] | None:
+    usable = [e for e in entries if math.isfinite(e[1]) and math.isfinite(e[2]) and e[2] > e[1]]
+    if not usable:
+        return None
+    width = max(len(e[3]) for e in usable)
+    usable = [e for e in usable if len(e[3]) == width]
+    lo = np.array([e[1] for e in usable])
+    hi = np.array([e[2] for e in usable])
+    counts = np.nan_to_num(np.array([e[3] for e in usable], dtype=float))
+    glo, ghi = float(lo.min()), float(hi.max())
+    centers = lo[:, None] + (np.arange(width) + 0.5)[None, :] * ((hi - lo) / width)[:, None]
+    rows = np.clip(((centers - glo) / (ghi - glo) * HIST_BINS).astype(np.int64), 0, HIST_BINS - 1)
+    cols = min(len(usable), HIST_COLUMNS)
+    col_of = (np.arange(len(usable)) * cols) // len(usable)
+    grid = np.zeros((HIST_BINS, cols))
+    np.add.at(grid, (rows, np.broadcast_to(col_of[:, None], rows.shape)), counts)
+    total = grid.sum(axis=0, keepdims=True)
+    share = np.divide(grid, total, out=np.zeros_like(grid), where=total > 0)
+    steps = np.array([e[0] for e in usable])
+    first = np.searchsorted(col_of, np.arange(cols))
+    return {
+        "steps": _ints(steps[first]),
+        "end": int(steps[-1]),
+        "lo": glo,
+        "hi": ghi,
+        "bins": HIST_BINS,
+        "cells": _bytes(np.sqrt(share), 0.0, float(np.sqrt(share).max()) or 1.0),
+    }
+
+
+def _feature_map(record: dict[str, Any]) -> dict[str, Any]:
+    data = np.asarray(record.get("data") or [], dtype=float)
+    if data.ndim == 2:
+        data = data[None]
+    if data.ndim != 3 or not data.size:
+        return {"module": record.get("module", ""), "step": record.get("step"), "shape": []}
+    shown = data[:MAP_CHANNELS]
+    out = []
+    for channel in shown:  # each channel on its own range, as the eye compares shapes
+        finite = channel[np.isfinite(channel)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        out.append(_bytes(channel, lo, hi if hi > lo else lo + 1))
+    return {
+        "module": record.get("module", ""),
+        "step": record.get("step"),
+        "shape": list(data.shape),
+        "channels": out,
+    }
+
+
+# -- findings ---------------------------------------------------------------------------------
+
+
+def _findings(run: Run) -> list[dict[str, Any]]:
+    current, cleared = run.split_findings()
+    keys = ("kind", "module", "step", "cleared_at", "message")
+    return [{k: f.get(k) for k in keys} for f in sorted([*current, *cleared], key=_at)]
+
+
+def _at(f: dict[str, Any]) -> tuple[int, str]:
+    return (int(f.get("step") or 0), str(f.get("kind", "")))
+
+
+# -- compact encoding -------------------------------------------------------------------------
+
+
+def _f(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _floats(values: Any) -> Raw:
+    """Four significant digits (what a tooltip shows); null for NaN and infinities, which
+    a chart draws as a gap (the NaN step is marked apart)."""
+    return Raw(
+        "[" + ",".join(f"{v:.4g}" if math.isfinite(v) else "null" for v in values.tolist()) + "]"
+    )
+
+
+def _ints(values: Any) -> Raw:
+    return Raw("[" + ",".join(str(v) for v in np.asarray(values).tolist()) + "]")
+
+
+def _bytes(grid: Any, lo: float, hi: float) -> str:
+    """Cells scaled to 0..254 over ``[lo, hi]``, 255 where there is no value; base64."""
+    span = hi - lo if hi > lo else 1.0
+    q = np.clip(np.round((np.asarray(grid, dtype=float) - lo) / span * 254), 0, 254)
+    q = np.where(np.isfinite(grid), q, 255).astype(np.uint8)
+    return base64.b64encode(q.tobytes()).decode("ascii")
+
+
+def dump(obj: Any) -> str:
+    """JSON text of ``obj`` with :class:`Raw` pieces written as they are, made safe to
+    embed in a ``<script>`` element (no ``</`` inside)."""
+    return _dump(obj).replace("</", "<\\/")
+
+
+def _dump(obj: Any) -> str:
+    if isinstance(obj, Raw):
+        return str(obj)
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{json.dumps(str(k))}:{_dump(v)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, (list, tuple)):
+        return "[" + ",".join(_dump(v) for v in obj) + "]"
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "null"
+    if isinstance(obj, np.generic):
+        return _dump(obj.item())
+    return json.dumps(obj)

@@ -1,0 +1,503 @@
+/* hookscope report: draws the charts from the JSON in #hs-data with uPlot (vendored).
+   Every chart of the page shares one step cursor (uPlot's cursor sync) and one x zoom:
+   drag across a chart to zoom, double-click to zoom out. Heatmaps are drawn on canvases. */
+(function () {
+  "use strict";
+  const D = JSON.parse(document.getElementById("hs-data").textContent);
+  const RUNS = D.runs;
+  const COLORS = ["#1f6fb4", "#d6402b", "#2a9d4b", "#8a55c0", "#e08a10", "#148f8f"];
+  const SYNC = "hs-steps";
+  const charts = [];
+  const heatCursors = [];
+  window.hsCharts = {}; // by id, for tests and for the curious in the console
+
+  // -- numbers ------------------------------------------------------------------------------
+  const SUP = { "-": "\u207b", 0: "\u2070", 1: "\u00b9", 2: "\u00b2", 3: "\u00b3", 4: "\u2074",
+    5: "\u2075", 6: "\u2076", 7: "\u2077", 8: "\u2078", 9: "\u2079" };
+  function fmt(v) {
+    if (v == null) return "\u2013";
+    if (!isFinite(v)) return String(v);
+    if (v === 0) return "0";
+    const a = Math.abs(v);
+    if (a >= 1e-3 && a < 1e5) return String(+v.toPrecision(4));
+    return v.toExponential(3).replace(/\.?0+e/, "e").replace("e+", "e");
+  }
+  function pow10(e) {
+    return "10" + String(e).split("").map((c) => SUP[c]).join("");
+  }
+  // Linear ticks: as many decimals as the tick spacing needs, never an offset.
+  function linTicks(u, splits, ax, space, incr) {
+    const big = Math.max(...splits.map((v) => Math.abs(v)));
+    if (big >= 1e5 || (big > 0 && big < 1e-3)) {
+      const digits = Math.max(0, Math.min(4, Math.floor(Math.log10(big)) - Math.floor(Math.log10(incr))));
+      return splits.map((v) => (v === 0 ? "0" : v.toExponential(digits).replace("e+", "e")));
+    }
+    const dec = Math.max(0, Math.min(8, -Math.floor(Math.log10(incr) + 1e-9)));
+    return splits.map((v) => v.toFixed(dec));
+  }
+  // Log ticks: powers of ten as 10ⁿ; within a decade or two, 1-2-5 steps too.
+  function logTicks(u, splits) {
+    const finite = splits.filter((v) => v > 0);
+    const span = finite.length ? Math.log10(Math.max(...finite) / Math.min(...finite)) : 0;
+    return splits.map((v) => {
+      if (!(v > 0)) return "";
+      const e = Math.floor(Math.log10(v) + 1e-9);
+      const m = Math.round(v / Math.pow(10, e));
+      if (m === 1) return pow10(e);
+      if (span < 2.5 && (m === 2 || m === 5)) return m + "\u00b7" + pow10(e);
+      return "";
+    });
+  }
+  // A linear range that never magnifies noise: at least 1 % of the values' magnitude.
+  function linRange(u, min, max) {
+    if (min == null || max == null) return [0, 1];
+    const mid = (min + max) / 2;
+    if (max - min < 1e-12 && mid === 0) return [0, 1];
+    const need = Math.max(Math.abs(mid) * 0.01, 1e-12);
+    if (max - min < need) return [mid - need / 2, mid + need / 2];
+    const pad = (max - min) * 0.05;
+    return [min - pad, max + pad];
+  }
+
+  // -- shared zoom --------------------------------------------------------------------------
+  let zooming = false;
+  function shareZoom(u, key) {
+    if (key !== "x" || zooming) return;
+    zooming = true;
+    const { min, max } = u.scales.x;
+    for (const other of charts) if (other !== u && other.data[0].length) other.setScale("x", { min, max });
+    zooming = false;
+  }
+  function shareCursor(u) {
+    const left = u.cursor.left;
+    const step = left == null || left < 0 ? null : u.posToVal(left, "x");
+    for (const h of heatCursors) h(step);
+  }
+
+  // Vertical marks (NaN step, findings) and a horizontal guide, drawn over the series.
+  function marksPlugin(marks, guide) {
+    return {
+      hooks: {
+        draw: (u) => {
+          const ctx = u.ctx;
+          ctx.save();
+          for (const m of marks) {
+            const x = Math.round(u.valToPos(m.step, "x", true));
+            if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+            ctx.strokeStyle = m.color;
+            ctx.lineWidth = m.width || 1.5;
+            ctx.setLineDash(m.dash || []);
+            ctx.beginPath();
+            ctx.moveTo(x, u.bbox.top);
+            ctx.lineTo(x, u.bbox.top + u.bbox.height);
+            ctx.stroke();
+          }
+          if (guide != null) {
+            const y = Math.round(u.valToPos(guide, "y", true));
+            if (y >= u.bbox.top && y <= u.bbox.top + u.bbox.height) {
+              ctx.strokeStyle = "#c0392b";
+              ctx.setLineDash([5, 4]);
+              ctx.lineWidth = 1;
+              ctx.beginPath();
+              ctx.moveTo(u.bbox.left, y);
+              ctx.lineTo(u.bbox.left + u.bbox.width, y);
+              ctx.stroke();
+            }
+          }
+          ctx.restore();
+        },
+      },
+    };
+  }
+
+  // -- line charts --------------------------------------------------------------------------
+  // spec: {id, title, width, height, log, guide, marks, series: [{label, x, y, band}]}
+  function lineChart(el, spec) {
+    const tables = spec.series.map((s) => {
+      const cols = [s.x, s.y];
+      if (s.band) {
+        cols.push(s.y.map((v, i) => (v == null || s.band[i] == null ? null : v + s.band[i])));
+        cols.push(s.y.map((v, i) => (v == null || s.band[i] == null ? null : v - s.band[i])));
+      }
+      return cols;
+    });
+    const data = tables.length === 1 ? tables[0] : uPlot.join(tables);
+    const series = [{ label: "step", value: (u, v) => (v == null ? "\u2013" : String(Math.round(v))) }];
+    const bands = [];
+    spec.series.forEach((s, i) => {
+      const color = s.color || COLORS[i % COLORS.length];
+      series.push({ label: s.label, stroke: color, width: 1.4, value: (u, v) => fmt(v), spanGaps: false,
+        points: { show: (u, si, i0, i1) => i1 - i0 < 40 } });
+      if (s.band) {
+        const hi = series.length;
+        series.push({ label: s.label + " +std", stroke: "transparent", width: 0, value: (u, v) => fmt(v), points: { show: false } });
+        series.push({ label: s.label + " \u2212std", stroke: "transparent", width: 0, value: (u, v) => fmt(v), points: { show: false } });
+        bands.push({ series: [hi, hi + 1], fill: color + "2e" });
+      }
+    });
+    const opts = {
+      title: spec.title,
+      width: spec.width,
+      height: spec.height || 170,
+      series,
+      bands,
+      legend: { live: true },
+      cursor: { sync: { key: SYNC, setSeries: false }, drag: { x: true, y: false, setScale: true } },
+      scales: { x: { time: false }, y: spec.log ? { distr: 3, log: 10 } : { range: linRange } },
+      axes: [
+        { size: 34, font: "11px system-ui", values: (u, s, a, sp, incr) => linTicks(u, s, a, sp, Math.max(1, incr)) },
+        { size: 62, font: "11px system-ui", values: spec.log ? logTicks : linTicks },
+      ],
+      hooks: { setScale: [shareZoom], setCursor: [shareCursor] },
+      plugins: [marksPlugin(spec.marks || [], spec.guide)],
+    };
+    const u = new uPlot(opts, data, el);
+    // the band's edges are drawn, not listed: hide their legend rows
+    series.forEach((s, i) => {
+      if (s.stroke === "transparent") u.root.querySelectorAll(".u-legend .u-series")[i].style.display = "none";
+    });
+    charts.push(u);
+    window.hsCharts[spec.id] = u;
+    return u;
+  }
+
+  function runMarks(run, module) {
+    const marks = [];
+    for (const f of run.findings) {
+      if (module !== undefined && f.module !== module) continue;
+      if (f.kind === "nonfinite") continue;
+      marks.push({ step: f.step, color: f.cleared_at == null ? "#e08a10" : "#9aa3ad", dash: [3, 3], width: 1 });
+    }
+    if (run.nan && (module === undefined || module === run.nan.module)) {
+      marks.push({ step: run.nan.step, color: "#d6402b", width: 2 });
+    } else if (run.nan) {
+      marks.push({ step: run.nan.step, color: "#d6402b99", width: 1 });
+    }
+    return marks;
+  }
+
+  function panel(parent, cls) {
+    const d = document.createElement("div");
+    d.className = cls || "panel";
+    parent.appendChild(d);
+    return d;
+  }
+
+  function width(el, columns) {
+    const w = el.clientWidth || 1200;
+    return Math.max(260, Math.floor(w / columns) - 14);
+  }
+
+  // -- training curves ----------------------------------------------------------------------
+  function drawCurves() {
+    const el = document.getElementById("hs-curves");
+    if (!el) return;
+    const names = [];
+    for (const r of RUNS) for (const n of Object.keys(r.curves.series)) if (!names.includes(n)) names.push(n);
+    const cols = Math.min(3, names.length);
+    for (const name of names) {
+      const series = [];
+      RUNS.forEach((r, i) => {
+        if (r.curves.series[name]) series.push({ label: RUNS.length > 1 ? r.label : name, x: r.curves.x, y: r.curves.series[name], color: COLORS[i % COLORS.length] });
+      });
+      const ys = series.flatMap((s) => s.y.filter((v) => v != null));
+      const positive = ys.length && ys.every((v) => v > 0);
+      const spread = positive ? Math.max(...ys) / Math.min(...ys) : 0;
+      const log = positive && (name.startsWith("lr") || name === "grad_norm" ? spread > 20 : spread > 1e3);
+      lineChart(panel(el), { id: "curve:" + name, title: name + (log ? " (log)" : ""), width: width(el, cols), height: 200,
+        log, series, marks: runMarks(RUNS[0]) });
+    }
+  }
+
+  // -- per module small multiples -----------------------------------------------------------
+  const TITLES = {
+    "act.mean": "activation mean \u00b1 std",
+    "act.zero_frac": "fraction of zeros in the output",
+    "grad.norm": "gradient norm of the output (log)",
+  };
+  function drawModules() {
+    const el = document.getElementById("hs-modules");
+    if (!el) return;
+    const modules = [];
+    for (const r of RUNS) for (const m of r.modules) if (!modules.includes(m)) modules.push(m);
+    for (const stat of Object.keys(TITLES)) {
+      if (!RUNS.some((r) => r.lines[stat])) continue;
+      const h = document.createElement("h3");
+      h.textContent = TITLES[stat];
+      el.appendChild(h);
+      const grid = panel(el, "grid");
+      const w = width(el, 4);
+      for (const m of modules) {
+        const series = [];
+        RUNS.forEach((r, i) => {
+          const row = r.modules.indexOf(m);
+          const y = r.lines[stat] && r.lines[stat][row];
+          if (row < 0 || !y || !y.some((v) => v != null)) return;
+          const band = stat === "act.mean" && r.lines["act.std"] ? r.lines["act.std"][row] : null;
+          series.push({ label: RUNS.length > 1 ? r.label : stat.split(".")[1], x: r.x, y, band, color: COLORS[i % COLORS.length] });
+        });
+        if (!series.length) continue;
+        lineChart(panel(grid), { id: stat + ":" + m, title: m, width: w, height: 150, log: stat === "grad.norm",
+          series, marks: runMarks(RUNS[0], m) });
+      }
+    }
+    if (RUNS.some((r) => r.ratio.names.length)) {
+      const h = document.createElement("h3");
+      h.textContent = "update ratio \u2016\u0394W\u2016/\u2016W\u2016 per weight (log; dashed: 1e-3)";
+      el.appendChild(h);
+      const grid = panel(el, "grid");
+      const names = [];
+      for (const r of RUNS) for (const n of r.ratio.names) if (!names.includes(n)) names.push(n);
+      for (const n of names) {
+        const series = [];
+        RUNS.forEach((r, i) => {
+          const row = r.ratio.names.indexOf(n);
+          if (row >= 0 && r.ratio.y[row].some((v) => v != null)) series.push({ label: RUNS.length > 1 ? r.label : "ratio", x: r.x, y: r.ratio.y[row], color: COLORS[i % COLORS.length] });
+        });
+        if (series.length) lineChart(panel(grid), { id: "ratio:" + n, title: n, width: width(el, 4), height: 150, log: true, guide: 1e-3, series });
+      }
+    }
+  }
+
+  // -- findings timeline --------------------------------------------------------------------
+  function drawTimeline() {
+    const el = document.getElementById("hs-timeline");
+    if (!el) return;
+    const rows = [];
+    RUNS.forEach((r, ri) => r.findings.forEach((f) => rows.push({ ...f, run: ri })));
+    const first = Math.min(...RUNS.map((r) => r.first));
+    const last = Math.max(...RUNS.map((r) => r.last), first + 1);
+    const n = Math.max(rows.length, 1);
+    const draw = (u) => {
+      const ctx = u.ctx;
+      ctx.save();
+      ctx.font = Math.round(11 * devicePixelRatio) + "px system-ui";
+      ctx.textBaseline = "middle";
+      rows.forEach((f, i) => {
+        const y0 = u.valToPos(n - i, "y", true), y1 = u.valToPos(n - i - 1, "y", true);
+        const x0 = u.valToPos(f.step, "x", true);
+        const end = f.cleared_at == null ? RUNS[f.run].last : f.cleared_at;
+        const x1 = Math.max(u.valToPos(end, "x", true), x0 + 3 * devicePixelRatio);
+        const nan = f.kind === "nonfinite";
+        ctx.fillStyle = f.cleared_at == null ? (nan ? "#d6402b" : "#e08a10") : "#b8c0c8";
+        ctx.fillRect(x0, y0 + 2, x1 - x0, y1 - y0 - 4);
+        const label = (RUNS.length > 1 ? RUNS[f.run].label + ": " : "") + f.kind + " \u00b7 " + (f.module || "(model)") +
+          " \u00b7 step " + f.step + (f.cleared_at == null ? " (current)" : " \u2192 cleared at " + f.cleared_at);
+        const room = x0 - u.bbox.left - 8 * devicePixelRatio;
+        const fits = ctx.measureText(label).width <= room;
+        ctx.fillStyle = fits ? "#1d2430" : "#ffffff";
+        ctx.textAlign = fits ? "right" : "left";
+        ctx.fillText(label, fits ? x0 - 6 * devicePixelRatio : x0 + 6 * devicePixelRatio, (y0 + y1) / 2);
+      });
+      ctx.restore();
+    };
+    const u = new uPlot({
+      width: width(el, 1), height: 34 + 22 * n,
+      series: [{ label: "step" }, { label: "findings", show: false }],
+      legend: { show: false },
+      cursor: { sync: { key: SYNC, setSeries: false }, drag: { x: true, y: false }, points: { show: false } },
+      scales: { x: { time: false, range: (u, lo, hi) => [lo, hi] }, y: { range: [0, n] } },
+      axes: [{ size: 30, font: "11px system-ui", values: (u, s, a, sp, incr) => linTicks(u, s, a, sp, Math.max(1, incr)) }, { show: false }],
+      hooks: { draw: [draw], setScale: [shareZoom], setCursor: [shareCursor] },
+      plugins: [marksPlugin(RUNS[0].nan ? [{ step: RUNS[0].nan.step, color: "#d6402b", width: 2 }] : [])],
+    }, [[first, last], [null, null]], el);
+    charts.push(u);
+    window.hsCharts.timeline = u;
+  }
+
+  // -- heatmaps on canvas ---------------------------------------------------------------------
+  const STOPS = [[0, [13, 8, 135]], [0.25, [126, 3, 168]], [0.5, [204, 71, 120]], [0.75, [248, 149, 64]], [1, [240, 249, 33]]];
+  const LUT = (() => {
+    const out = [];
+    for (let i = 0; i < 255; i++) {
+      const t = i / 254;
+      let k = 0;
+      while (k < STOPS.length - 2 && t > STOPS[k + 1][0]) k++;
+      const [t0, c0] = STOPS[k], [t1, c1] = STOPS[k + 1];
+      const f = (t - t0) / (t1 - t0);
+      out.push(c0.map((c, j) => Math.round(c + f * (c1[j] - c))));
+    }
+    return out;
+  })();
+  function bytes(b64) {
+    const s = atob(b64);
+    const out = new Uint8Array(s.length);
+    for (let i = 0; i < s.length; i++) out[i] = s.charCodeAt(i);
+    return out;
+  }
+  function image(cells, rows, cols, flip) {
+    const c = document.createElement("canvas");
+    c.width = cols;
+    c.height = rows;
+    const ctx = c.getContext("2d");
+    const img = ctx.createImageData(cols, rows);
+    for (let r = 0; r < rows; r++) {
+      for (let k = 0; k < cols; k++) {
+        const q = cells[r * cols + k];
+        const o = ((flip ? rows - 1 - r : r) * cols + k) * 4;
+        const rgb = q === 255 ? [235, 238, 242] : LUT[q];
+        img.data[o] = rgb[0]; img.data[o + 1] = rgb[1]; img.data[o + 2] = rgb[2]; img.data[o + 3] = 255;
+      }
+    }
+    ctx.putImageData(img, 0, 0);
+    return c;
+  }
+  // A canvas heatmap with a tooltip and the shared step cursor drawn over it.
+  function heatmap(parent, spec) {
+    const box = panel(parent, "heat");
+    const title = document.createElement("div");
+    title.className = "heat-title";
+    title.textContent = spec.title;
+    box.appendChild(title);
+    const canvas = document.createElement("canvas");
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = spec.width * dpr;
+    canvas.height = spec.height * dpr;
+    canvas.style.width = spec.width + "px";
+    canvas.style.height = spec.height + "px";
+    canvas.dataset.id = spec.id;
+    box.appendChild(canvas);
+    const tip = document.createElement("div");
+    tip.className = "tip";
+    box.appendChild(tip);
+    const src = image(spec.cells, spec.rows, spec.cols, spec.flip);
+    const L = spec.left * dpr, W = (spec.width - spec.left) * dpr, H = (spec.height - 16) * dpr;
+    const colOf = (step) => {
+      let k = 0;
+      while (k < spec.steps.length - 1 && spec.steps[k + 1] <= step) k++;
+      return k;
+    };
+    const paint = (step) => {
+      const ctx = canvas.getContext("2d");
+      ctx.clearRect(0, 0, canvas.width, canvas.height);
+      ctx.imageSmoothingEnabled = false;
+      ctx.drawImage(src, L, 0, W, H);
+      ctx.fillStyle = "#1d2430";
+      ctx.font = Math.round(10 * dpr) + "px system-ui";
+      ctx.textBaseline = "middle";
+      ctx.textAlign = "right";
+      spec.labels.forEach((label, r) => {
+        if (label !== null) ctx.fillText(label, L - 4 * dpr, (r + 0.5) * (H / spec.labels.length));
+      });
+      ctx.textAlign = "left";
+      ctx.textBaseline = "top";
+      ctx.fillText("step " + spec.steps[0], L, H + 3 * dpr);
+      ctx.textAlign = "right";
+      ctx.fillText(String(spec.end), L + W, H + 3 * dpr);
+      for (const m of spec.marks || []) {
+        const x = L + (colOf(m.step) + 0.5) * (W / spec.cols);
+        ctx.strokeStyle = m.color;
+        ctx.lineWidth = 2 * dpr;
+        ctx.beginPath(); ctx.moveTo(x, 0); ctx.lineTo(x, H); ctx.stroke();
+      }
+      if (step != null && step >= spec.steps[0] && step <= spec.end) {
+        const x = L + (colOf(step) + 0.5) * (W / spec.cols);
+        ctx.strokeStyle = "#ffffffcc";
+        ctx.lineWidth = 1 * dpr;
+        ctx.setLineDash([3 * dpr, 3 * dpr]);
+        ctx.beginPath(); ctx.moveTo(x, 0); ctx.lineTo(x, H); ctx.stroke();
+        ctx.setLineDash([]);
+      }
+    };
+    paint(null);
+    heatCursors.push(paint);
+    canvas.addEventListener("mousemove", (e) => {
+      const r = canvas.getBoundingClientRect();
+      const x = e.clientX - r.left - spec.left, y = e.clientY - r.top;
+      const k = Math.floor((x / (spec.width - spec.left)) * spec.cols);
+      const row = Math.floor((y / (spec.height - 16)) * spec.rows);
+      if (k < 0 || k >= spec.cols || row < 0 || row >= spec.rows) { tip.style.display = "none"; return; }
+      const q = spec.cells[(spec.flip ? spec.rows - 1 - row : row) * spec.cols + k];
+      tip.textContent = spec.tip(row, k, q);
+      tip.style.display = "block";
+      tip.style.left = Math.min(e.clientX - r.left + 12, spec.width - 200) + "px";
+      tip.style.top = e.clientY - r.top + 12 + "px";
+      paint(spec.steps[k]);
+    });
+    canvas.addEventListener("mouseleave", () => { tip.style.display = "none"; paint(null); });
+  }
+
+  function drawHeatmaps() {
+    const el = document.getElementById("hs-heat");
+    if (!el) return;
+    RUNS.forEach((r) => {
+      const h = r.heat;
+      if (!h) return;
+      const cols = h.steps.length, rows = h.modules.length;
+      const left = Math.min(220, 12 + 6.2 * Math.max(...h.modules.map((m) => m.length)));
+      heatmap(el, {
+        id: "heat:" + r.label,
+        title: (RUNS.length > 1 ? r.label + ": " : "") + "log\u2081\u2080 \u2016grad\u2016 of each module's output, in the order the modules ran (top: first); colour from " + fmt(h.lo) + " to " + fmt(h.hi),
+        width: width(el, 1), height: Math.min(16, Math.max(8, 420 / rows)) * rows + 16, left,
+        cells: bytes(h.cells), rows, cols, steps: h.steps, end: h.end,
+        labels: h.modules.map((m, i) => (rows <= 60 || i % Math.ceil(rows / 60) === 0 ? m : null)),
+        marks: r.nan ? [{ step: r.nan.step, color: "#ffffff" }] : [],
+        tip: (row, k, q) => h.modules[row] + " \u00b7 step " + h.steps[k] + (k + 1 < cols && h.steps[k + 1] - h.steps[k] > 1 ? "\u2013" + (h.steps[k + 1] - 1) : "") +
+          ": " + (q === 255 ? "no value" : "\u2016grad\u2016 \u2248 " + fmt(Math.pow(10, h.lo + (q / 254) * (h.hi - h.lo)))),
+      });
+    });
+  }
+
+  function drawHists() {
+    const el = document.getElementById("hs-hists");
+    if (!el) return;
+    RUNS.forEach((r) => {
+      if (!r.hists.length) return;
+      if (RUNS.length > 1) {
+        const h = document.createElement("h3");
+        h.textContent = r.label;
+        el.appendChild(h);
+      }
+      const grid = panel(el, "grid");
+      const w = width(el, 4);
+      for (const v of r.hists) {
+        const cols = v.steps.length;
+        heatmap(grid, {
+          id: "hist:" + r.label + ":" + v.module, title: v.module + " (value " + fmt(v.lo) + " \u2026 " + fmt(v.hi) + ")",
+          width: w, height: 136, left: 4, cells: bytes(v.cells), rows: v.bins, cols, steps: v.steps, end: v.end,
+          labels: [], flip: true,
+          tip: (row, k, q) => {
+            const bin = v.bins - 1 - row, size = (v.hi - v.lo) / v.bins;
+            return "step " + v.steps[k] + " \u00b7 values " + fmt(v.lo + bin * size) + " \u2026 " + fmt(v.lo + (bin + 1) * size) +
+              (q === 255 ? "" : ": " + (100 * Math.pow(q / 254, 2)).toFixed(1) + " % of the largest bin's share");
+          },
+        });
+      }
+    });
+  }
+
+  function drawFeatureMaps() {
+    const el = document.getElementById("hs-maps");
+    if (!el) return;
+    RUNS.forEach((r) => r.maps.forEach((m) => {
+      if (!m.shape.length) return;
+      const box = panel(el, "maps");
+      const title = document.createElement("div");
+      title.className = "heat-title";
+      const [c, hh, ww] = m.shape;
+      title.textContent = m.module + " at step " + m.step + " (" + (c > m.channels.length ? "first " + m.channels.length + " of " : "") + c + " channels, " + hh + "\u00d7" + ww + ")";
+      box.appendChild(title);
+      const scale = Math.max(2, Math.floor(72 / Math.max(hh, ww)));
+      m.channels.forEach((b64, i) => {
+        const src = image(bytes(b64), hh, ww, false);
+        const cv = document.createElement("canvas");
+        cv.width = ww * scale; cv.height = hh * scale;
+        cv.title = "channel " + i;
+        const ctx = cv.getContext("2d");
+        ctx.imageSmoothingEnabled = false;
+        ctx.drawImage(src, 0, 0, cv.width, cv.height);
+        box.appendChild(cv);
+      });
+    }));
+  }
+
+  for (const draw of [drawTimeline, drawCurves, drawModules, drawHeatmaps, drawHists, drawFeatureMaps]) {
+    try {
+      draw();
+    } catch (err) {
+      console.error("hookscope report: " + draw.name + " failed: " + err);
+      throw err;
+    }
+  }
+  document.documentElement.dataset.hsReady = String(charts.length);
+})();
