@@ -83,8 +83,8 @@ def test_nan_origin_is_the_module_whose_output_turned_nonfinite() -> None:
     nonfinite = [f for f in mon.findings if f.kind == "nonfinite"]
     assert (nonfinite[0].module, nonfinite[0].step) == ("risky", 7)
     assert "inputs were finite" in nonfinite[0].message
-    # the NaN gradients then poison fc1's weights: the next step names fc1, not a later module
-    assert [(f.module, f.step) for f in nonfinite[1:]] == [("fc1", 8)]
+    # the NaN gradients then poison fc1's weights in step 7's update: said once, as such
+    assert [(f.module, f.step, f.phase) for f in nonfinite[1:]] == [("fc1", 7, "update")]
 
 
 def test_nan_can_raise_with_module_and_step() -> None:

@@ -31,7 +31,8 @@ class Finding:
         step: The step it was first seen at (steps count from 0).
         value: The measured value that crossed the threshold.
         message: What was seen, with the evidence, and what it means.
-        phase: For ``nonfinite``: ``"forward"`` or ``"backward"``; else ``None``.
+        phase: For ``nonfinite``: ``"forward"``, ``"backward"``, or ``"update"`` (the
+            weights became non-finite in an optimizer update); else ``None``.
         op: For ``nonfinite``, when traced: the first op that produced it (``"aten.log"``).
         source: For ``nonfinite``, when traced: the user's source line that called that op.
         rank: Under ``torch.distributed``: the rank where it first appeared.

@@ -18,7 +18,10 @@ class Tap(nn.Module):
     (``x = self.tap_scores(x)``). It returns its argument unchanged (the very same object),
     costs one module call, and holds no parameters, so adding it changes no result and no
     ``state_dict``. The tensor becomes a site that :func:`capture`, :func:`intervene` and
-    :class:`Monitor` see like any module's output, gradients included.
+    :class:`Monitor` see like any module's output, gradients included. A model holding Taps
+    saves and copies like any other (``torch.save(model, f)``, ``copy.deepcopy``; hooks
+    hookscope attached are left out), but a whole-model pickle names the Tap class, as it
+    names the model's own: loading it needs hookscope importable (a ``state_dict`` does not).
 
     Example:
         >>> import torch, hookscope as hs, torch.nn as nn

@@ -144,10 +144,10 @@ class _Forward:
 
     def kill_if_due(self) -> None:
         """From the wait loop: the second signal's grace is over, the child still runs."""
-        if self._kill_at is not None and time.monotonic() >= self._kill_at and not self.killed:
-            if self.child is not None and self.child.poll() is None:
-                self.child.kill()
-                self.killed = True
+        due = self._kill_at is not None and time.monotonic() >= self._kill_at
+        if due and not self.killed and self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.killed = True
 
     def __exit__(self, *exc: object) -> None:
         for sig, previous in self._previous.items():

@@ -380,7 +380,7 @@ class _Closer:
         os.read(self._wake_r, 1)
         try:
             self._close()
-        except BaseException:  # noqa: S110  (nothing to tell: the process is ending)
+        except BaseException:  # nothing to tell: the process is ending
             pass
         finally:
             os.write(self._done_w, b"x")
