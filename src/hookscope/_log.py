@@ -23,6 +23,7 @@ __all__ = [
     "LOG_NAME",
     "PARAM_STATS",
     "Cleared",
+    "EvalRecord",
     "Event",
     "Header",
     "StepRecord",
@@ -93,6 +94,18 @@ class StepRecord:
             for group in ("act", "grad", "param", "bn", "grad_order"):
                 del out[group]
         return out
+
+
+@dataclass
+class EvalRecord:
+    """The statistics of the evaluation passes (forwards with the model in eval mode) run
+    at ``step`` (before that step's ``mon.step()``), apart from training's: per watched
+    module, the RMS and largest magnitude of its output, from at most ``sample`` elements of
+    each of its first ``calls`` calls (16 at most)."""
+
+    step: int
+    modules: dict[str, dict[str, float]]
+    type: str = "eval"
 
 
 @dataclass

@@ -190,6 +190,12 @@ class Monitor:
         self._can_trace = not sharded and not any(
             isinstance(m, nn.SyncBatchNorm) for m in model.modules()
         )
+        # Unsampled steps: the flags at the model's edges (its inputs and outputs, the gradient
+        # reaching them, the parameters' gradients) find a NaN/Inf, and a replay of the step
+        # finds its module and op; a module call costs next to nothing. Where no replay can
+        # (several ranks, or a replay that found nothing), every module output is flagged.
+        self._light = self._can_trace and self._coll is None and "" not in self.modules
+        self._sampled_now = every is not None
         self._layouts: dict[tuple, list[Entry]] = {}
         self._bns = BatchNorms(model)
         shapes = {n: list(p.shape) for n, p in self._params.params.items()}
@@ -222,6 +228,8 @@ class Monitor:
                 keep_outputs=record_dir is not None,
                 on_first_call=self._save_running_stats if on_nonfinite == "skip" else None,
             )
+            if self._light:
+                self._hooks.forward(model, self._on_root)
             for name, module in self.modules.items():
                 self._hooks.forward(module, functools.partial(self._on_forward, name))
             for name, module in model.named_modules():
@@ -308,6 +316,8 @@ class Monitor:
     ) -> None:
         if self._tape.paused:  # a replay
             return
+        if self._light and not self._sampled_now and self._tape.recording:
+            return  # the edges' flags and a replay stand for this call's
         outs = [t for t in tensors(output) if t.is_floating_point()]
         if in_backward_recompute():
             # Activation checkpointing re-runs forward during backward: never count it again.
@@ -334,6 +344,18 @@ class Monitor:
                 self._trail.detached.add(name)
         if sampled and module.training:
             self._acts.forward(self._buf, name, outs)
+
+    def _on_root(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """Unsampled steps: flag the model's inputs and outputs, and hook the gradient that
+        reaches its outputs (every NaN/Inf that matters passes one of them, or a parameter's
+        gradient)."""
+        if not self._light or self._sampled_now or self._tape.paused or in_backward_recompute():
+            return
+        outs = [t for t in tensors(output) if t.is_floating_point()]
+        inputs = [*tensors(args), *tensors(list(kwargs.values()))]
+        outs = self._trail.forward(self._buf, "", inputs, outs)
+        if outs and torch.is_grad_enabled():
+            self._hook_grads("", outs)
 
     def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """What a container returns: a watched module's output that no container returns,
@@ -558,7 +580,10 @@ class Monitor:
             origin = trace(self._model, self._tape.calls, suspect=finding.module)
         finally:
             self._tape.paused = False
-        return finding if origin is None else origin.refine(finding)
+        if origin is None:
+            self._light = False  # the replay did not find it: flag every module from now on
+            return finding
+        return origin.refine(finding)
 
     def _with_overflow(self, nonfinite: Finding) -> list[Finding]:
         overflow = self._diagnosis.overflow(nonfinite)
@@ -648,6 +673,7 @@ class Monitor:
         self._early = []
         self._loss, self._clip_norms = None, []
         self.step_count += 1
+        self._sampled_now = self.sampled
 
     # -- records and lifetime ----------------------------------------------------------------
     def log(self, type: str, **fields: Any) -> None:

@@ -158,7 +158,7 @@ class NonFiniteTrail:
                     step,
                     value(i),
                     "forward",
-                    f"forward: the output of {flag.module!r} holds NaN/Inf (sum={value(i)}) "
+                    f"forward: the output of {_who(flag.module)} holds NaN/Inf (sum={value(i)}) "
                     f"while its inputs were finite, at step {step}; later modules inherit it",
                 )
         first_bad = next((i for i in forward if bad[i]), None)
@@ -169,7 +169,7 @@ class NonFiniteTrail:
                 step,
                 value(first_bad),
                 "forward",
-                f"forward: the inputs of {name!r} were already NaN/Inf at step {step} "
+                f"forward: the inputs of {_who(name)} were already NaN/Inf at step {step} "
                 "(check the data, or a module that runs outside the watched ones)",
             )
         backward = [i for i, f in enumerate(self.flags) if f.phase == "backward"]
@@ -183,7 +183,7 @@ class NonFiniteTrail:
                     step,
                     value(i),
                     "backward",
-                    f"backward: the gradient reaching {name!r} from the loss was already "
+                    f"backward: the gradient reaching {_who(name)} from the loss was already "
                     f"NaN/Inf at step {step}, with a finite forward pass",
                 )
             culprit = self.flags[backward[k - 1]].module
@@ -195,16 +195,25 @@ class NonFiniteTrail:
                 f"backward: {culprit!r} turned a finite gradient into NaN/Inf (the gradient "
                 f"of {name!r} became non-finite) at step {step}",
             )
+        # Only the model's own outputs had their gradient flagged (an unsampled step): the
+        # value arose somewhere inside the model's backward pass.
+        edges_only = all(self.flags[i].module == "" for i in backward)
         for i, flag in enumerate(self.flags):
             if bad[i] and flag.phase == "param":
+                where = (
+                    "while the gradient reaching the model's outputs was finite: it arose in "
+                    "the model's backward pass"
+                    if edges_only
+                    else "while every module's output gradient was finite: it arose computing "
+                    "the weight's own gradient (an overflow?)"
+                )
                 return _finding(
                     flag.module,
                     step,
                     value(i),
                     "backward",
                     f"backward: the gradient of {flag.param!r} is NaN/Inf (L1 norm "
-                    f"{value(i)}) while every module's output gradient was finite, at step "
-                    f"{step}: it arose computing the weight's own gradient (an overflow?)",
+                    f"{value(i)}) {where}, at step {step}",
                 )
         # Only module inputs (never a module's output) were bad: the data itself.
         first = next(i for i, b in enumerate(bad) if b)
@@ -214,8 +223,12 @@ class NonFiniteTrail:
             step,
             value(first),
             "forward",
-            f"forward: the inputs of {name!r} were NaN/Inf at step {step} (check the data)",
+            f"forward: the inputs of {_who(name)} were NaN/Inf at step {step} (check the data)",
         )
+
+
+def _who(module: str) -> str:
+    return "the model" if module == "" else repr(module)
 
 
 def _finding(module: str, step: int, value: float, phase: str, message: str) -> Finding:

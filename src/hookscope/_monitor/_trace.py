@@ -80,6 +80,9 @@ class Tape:
         self.calls: list[Call] = []
         self.paused = False
         self.grad_enabled: bool | None = None  # autograd's mode when the root was called
+        # True while a root call that the tape keeps runs: a replay of the step can then
+        # re-run whatever happens inside it.
+        self.recording = False
         self._depth = 0
         hooks.forward_pre(root, self._before, prepend=True)
         hooks.forward(root, self._after, always_call=True)
@@ -96,6 +99,7 @@ class Tape:
         if len(self.calls) >= self.MAX_CALLS:
             return
         self.calls.append(Call(args, dict(kwargs), rng_state()))
+        self.recording = True
 
     def _after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -103,6 +107,7 @@ class Tape:
         self._depth -= 1
         if self._depth == 0:
             self.grad_enabled = None
+            self.recording = False
         if self.paused or self._depth > 0 or in_backward_recompute() or not self.calls:
             return None
         call = self.calls[-1]

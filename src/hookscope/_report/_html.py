@@ -18,7 +18,7 @@ _HERE = Path(__file__).parent
 
 HINTS = {
     "nonfinite": "A NaN/Inf first appeared here while its inputs were finite: check divisions, "
-    "log/sqrt/exp of this layer's inputs and the learning rate; Monitor(on_nonfinite='raise') stops at that step.",
+    "log/sqrt/exp of this layer's inputs and the learning rate; on_nonfinite='raise' (under hookscope watch: --on-nonfinite raise) stops at that step.",
     "exploding_gradient": "Gradients grow too large here: lower the learning rate, clip gradients "
     "(torch.nn.utils.clip_grad_norm_) or add normalization.",
     "vanishing_gradient": "Gradients barely reach this layer: use residual connections, normalization, "

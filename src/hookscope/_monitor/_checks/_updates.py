@@ -1,0 +1,316 @@
+"""Checks on what an optimizer step did to the weights: ``not_updated`` and ``frozen_changed``.
+
+Both compare a few elements of a weight, spread over it, before and after: no copy of the
+weights, a few tiny gathers per step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._diagnose import Finding
+from ..._log import StepRecord
+from .._buffer import Host, StepBuffer
+from .._dist import Entry, local
+from ._common import Context, common_module, module_of, spread
+
+__all__ = ["FrozenChanged", "NotUpdated"]
+
+PROBED = 4  # weights watched per optimizer: its largest
+ELEMENTS = 32  # elements compared per weight
+MIN_EVIDENCE = 4  # elements that had to move, for an unchanged weight to count
+# An element is expected to move when lr * |grad| is well above float32's resolution of it.
+RESOLUTION = 1e-5
+FROZEN_ELEMENTS = 64
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _lr(group: dict[str, Any]) -> float:
+    lr = group.get("lr", 0.0)
+    try:
+        return float(lr)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+class _Probe:
+    """One weight around one update: a few elements before, and whether they should move."""
+
+    def __init__(self, name: str, p: torch.Tensor, index: torch.Tensor, lr: float) -> None:
+        self.name, self.p, self.index, self.lr = name, p, index, lr
+        w = local(p.detach())
+        g = local(p.grad.detach())
+        self.before = torch.take(w, index)
+        grad = torch.take(g, index).to(self.before.dtype)
+        self.expect = (grad != 0) & (lr * grad.abs() > RESOLUTION * self.before.abs())
+
+    def stuck(self) -> torch.Tensor:
+        """1 when enough elements should have moved and none did."""
+        now = torch.take(local(self.p.detach()), self.index)
+        moved = (self.expect & (now != self.before)).sum()
+        return ((self.expect.sum() >= MIN_EVIDENCE) & (moved == 0)).float()
+
+
+class NotUpdated:
+    """``not_updated``: an optimizer step left weights with a gradient unchanged, or stepped
+    only parameters that cannot change; and an optimizer that steps every step, but never a
+    parameter of the watched model (it holds another copy's).
+
+    Not bugs, never reported: a zero learning rate (warm-up, a group frozen by ``lr=0``),
+    updates skipped by GradScaler (``step()`` does not run) or by the Monitor, elements whose
+    gradient is zero or too small to move them, and closure optimizers (LBFGS: gradients
+    exist only inside ``step``).
+    """
+
+    kind = "not_updated"
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self._all = {id(p): n for n, p in ctx.model.named_parameters()}
+        self._chosen: dict[int, tuple[weakref.ref, int, list[tuple[str, nn.Parameter, int]]]] = {}
+        self._index: dict[int, torch.Tensor] = {}
+        self._probes: dict[int, list[_Probe]] = {}
+        self._pending: list[tuple[str, _Probe, torch.Tensor]] = []
+        self._found: list[Finding] = []
+        self._foreign = self._ours = self._ever = False
+        self._foreign_run = 0
+        ctx.hooks.optimizer_step_pre_global(self._pre)
+        ctx.hooks.optimizer_step_post_global(self._post)
+
+    # -- around each optimizer step ----------------------------------------------------------
+    def _pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.ctx.paused():
+            return
+        chosen = self._choose(opt)
+        if chosen is None:
+            self._foreign = True
+            return
+        self._ours = self._ever = True
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None or self.ctx.skipping():
+            return
+        if self._nothing_can_change(opt):
+            return
+        probes = []
+        for name, p, g in chosen:
+            lr = _lr(opt.param_groups[g])
+            if p.grad is None or lr <= 0 or p.numel() == 0:
+                continue
+            index = self._index.get(id(p))
+            if index is None:
+                index = self._index[id(p)] = spread(local(p.detach()), ELEMENTS)
+            probes.append(_Probe(name, p, index, lr))
+        self._probes[id(opt)] = probes
+
+    def _post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        for probe in self._probes.pop(id(opt), []):
+            self._pending.append((type(opt).__name__, probe, probe.stuck()))
+
+    def _choose(self, opt: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter, int]] | None:
+        """The largest trainable weights of the model that ``opt`` steps (``None``: it steps
+        none of the model's parameters), cached per optimizer."""
+        cached = self._chosen.get(id(opt))
+        if cached is not None and cached[0]() is opt and cached[1] == len(opt.param_groups):
+            return cached[2]
+        ours = [
+            (self._all[id(p)], p, g)
+            for g, group in enumerate(opt.param_groups)
+            for p in group["params"]
+            if id(p) in self._all
+        ]
+        chosen = None
+        if ours:
+            trainable = [c for c in ours if c[1].requires_grad]
+            chosen = sorted(trainable, key=lambda c: -c[1].numel())[:PROBED]
+        self._chosen[id(opt)] = (weakref.ref(opt), len(opt.param_groups), chosen)
+        return chosen
+
+    def _nothing_can_change(self, opt: torch.optim.Optimizer) -> bool:
+        frozen, no_grad = [], []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is not None:
+                    return False
+                name = self._all.get(id(p), "(not in the model)")
+                (no_grad if p.requires_grad else frozen).append(name)
+        if not frozen and not no_grad:
+            return False
+        self._found.append(self._cannot_change(type(opt).__name__, frozen, no_grad))
+        return True
+
+    def _cannot_change(self, opt: str, frozen: list[str], no_grad: list[str]) -> Finding:
+        names = frozen + no_grad
+        if frozen and not no_grad:
+            why = (
+                f"all {len(frozen)} have requires_grad=False ({_names(frozen)}), so they never "
+                "get a gradient. Fix: unfreeze what you mean to train (requires_grad_(True)) "
+                "before building the optimizer, and build it from the trainable parameters: "
+                "[p for p in model.parameters() if p.requires_grad]"
+            )
+        else:
+            why = (
+                f"{len(no_grad)} had no gradient (.grad is None: {_names(no_grad)})"
+                + (f" and {len(frozen)} have requires_grad=False" if frozen else "")
+                + ". Usually zero_grad() runs between backward() and step(), or the loss does "
+                "not depend on these parameters (detached, or computed by another copy of the "
+                "model). Fix: call zero_grad() before backward() (or after step())"
+            )
+        message = (
+            f"{opt}.step() stepped {len(names)} parameters of the model and none of them can "
+            f"change: {why}. The step did nothing (the learning rate is not the cause)"
+        )
+        return Finding(self.kind, common_module(names), -1, float(len(names)), message)
+
+    # -- at the step's end ----------------------------------------------------------------
+    def collect(self, buf: StepBuffer, sampled: bool) -> None:
+        if self._pending:
+            flags = [flag.to(self._pending[0][2].device) for _, _, flag in self._pending]
+            buf.set(("check", self.kind), torch.stack(flags))
+
+    def layout(self, rank: int) -> list[Entry]:
+        return []
+
+    def read(self, host: Host, record: StepRecord) -> list[Finding]:
+        step = record.step
+        found = [_at(f, step) for f in self._found]
+        flags = host.get(("check", self.kind), [])
+        for (opt, probe, _), stuck in zip(self._pending, flags, strict=False):
+            if stuck:
+                found.append(self._unchanged(opt, probe, step))
+        found += self._foreign_only(step)
+        self._pending, self._found, self._probes = [], [], {}
+        self._foreign = self._ours = False
+        return found
+
+    def _unchanged(self, opt: str, probe: _Probe, step: int) -> Finding:
+        n = int(probe.expect.sum())
+        return Finding(
+            self.kind,
+            module_of(probe.name),
+            step,
+            0.0,
+            f"{opt}.step() left {probe.name!r} unchanged at step {step}: {n} of its sampled "
+            f"elements had a gradient large enough to move them at lr {probe.lr:g}, and none "
+            "moved. The update never reached this tensor: e.g. a custom optimizer that rebinds "
+            "`p = p - lr * p.grad` (or updates p.data.clone()) instead of updating p in place, "
+            "a compiled or captured step replaying other tensors, or weights restored right "
+            "after the step. The learning rate is not the cause",
+        )
+
+    def _foreign_only(self, step: int) -> list[Finding]:
+        """An optimizer stepped, none ever stepped this model, and its weights had
+        gradients: for two steps in a row."""
+        if not self._foreign or self._ever:
+            self._foreign_run = 0
+            return []
+        if not any(p.grad is not None for p in self.ctx.params.values()):
+            self._foreign_run = 0
+            return []
+        self._foreign_run += 1
+        if self._foreign_run < 2:
+            return []
+        return [
+            Finding(
+                self.kind,
+                "",
+                step,
+                0.0,
+                f"an optimizer steps at every step, but none of the watched model's parameters "
+                f"(for {self._foreign_run} steps), although backward gives them gradients: the "
+                "optimizer holds another copy's tensors. Usually it was built before the model "
+                "was re-created, copied (deepcopy) or loaded into a new instance. Fix: build the "
+                "optimizer from this model's parameters, after the model is final",
+            )
+        ]
+
+
+def _at(finding: Finding, step: int) -> Finding:
+    return Finding(finding.kind, finding.module, step, finding.value, finding.message)
+
+
+class FrozenChanged:
+    """``frozen_changed``: a parameter or buffer of the modules ``Monitor(frozen=WHERE)``
+    declares frozen differs from its value when the Monitor was built (checked on sampled
+    steps, on a few elements spread over each tensor)."""
+
+    kind = "frozen_changed"
+
+    def __init__(self, ctx: Context, modules: dict[str, nn.Module]) -> None:
+        self.tensors: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
+        seen: set[int] = set()
+        for prefix, module in modules.items():
+            named = [(n, t, True) for n, t in module.named_parameters(prefix=prefix)]
+            named += [(n, t, False) for n, t in module.named_buffers(prefix=prefix)]
+            for name, t, is_param in named:
+                if id(t) in seen or not t.is_floating_point() or t.numel() == 0:
+                    continue
+                seen.add(id(t))
+                w = local(t.detach())
+                index = spread(w, FROZEN_ELEMENTS)
+                self.tensors[name] = (t, index, torch.take(w, index).clone(), is_param)
+        self._reported: set[str] = set()
+        self._names: list[str] = []
+
+    def collect(self, buf: StepBuffer, sampled: bool) -> None:
+        self._names = [n for n in self.tensors if n not in self._reported] if sampled else []
+        if self._names:
+            counts = [
+                (torch.take(local(t.detach()), index) != ref).sum()
+                for t, index, ref, _ in (self.tensors[n] for n in self._names)
+            ]
+            buf.set(("check", self.kind), torch.stack(counts).float())
+
+    def layout(self, rank: int) -> list[Entry]:
+        return []
+
+    def read(self, host: Host, record: StepRecord) -> list[Finding]:
+        counts = host.get(("check", self.kind), [])
+        found = []
+        for name, count in zip(self._names, counts, strict=False):
+            if count:
+                self._reported.add(name)
+                found.append(self._changed(name, int(count), record.step))
+        self._names = []
+        return found
+
+    def _changed(self, name: str, count: int, step: int) -> Finding:
+        t, index, _, is_param = self.tensors[name]
+        seen = f"{count} of {index.numel()} sampled elements differ from their values when the Monitor was built"
+        if not is_param:
+            why = (
+                "this buffer changes while the module runs in training mode (a BatchNorm "
+                "updates its running statistics at every training forward). Fix: put the "
+                "frozen part in eval mode after each model.train() (model.train(); "
+                "frozen_part.eval())"
+            )
+        elif t.requires_grad:
+            why = (
+                "it still has requires_grad=True, so backward gives it a gradient and an "
+                "optimizer updates it. Fix: call requires_grad_(False) on the frozen modules "
+                "(by their real names) before building the optimizer, and build it from "
+                "[p for p in model.parameters() if p.requires_grad]"
+            )
+        else:
+            why = (
+                "although it has requires_grad=False: something still writes to it, e.g. an "
+                "optimizer that holds it with a .grad left from before it was frozen "
+                "(zero_grad(set_to_none=False) keeps zeros there, and momentum or weight decay "
+                "go on moving it), a load_state_dict, or in-place code. Fix: build the "
+                "optimizer from the trainable parameters only, and set .grad = None on frozen ones"
+            )
+        return Finding(
+            self.kind,
+            module_of(name),
+            step,
+            float(count),
+            f"{name!r} was declared frozen (Monitor(frozen=...)) but changed by step {step} "
+            f"({seen}): {why}",
+        )
