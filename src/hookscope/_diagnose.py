@@ -26,7 +26,10 @@ class Finding:
 
     Attributes:
         kind: ``"nonfinite"``, ``"exploding_gradient"``, ``"vanishing_gradient"``,
-            ``"dead_units"``, ``"saturated_units"`` or ``"update_ratio"``.
+            ``"dead_units"``, ``"saturated_units"`` or ``"update_ratio"``; the checks of
+            silent errors (``_monitor/_checks/``): ``"not_updated"``, ``"stale_gradients"``,
+            ``"eval_randomness"``, ``"eval_mismatch"``, ``"autocast_skipped"``,
+            ``"frozen_changed"`` and ``"replica_divergence"``.
         module: Qualified name of the module (for ``update_ratio``, the parameter's module).
         step: The step it was first seen at (steps count from 0).
         value: The measured value that crossed the threshold.

@@ -28,9 +28,8 @@ holding its lock) cannot hang the process. SIGINT stays Python's ``KeyboardInter
 logs are closed at exit. The JSON-lines log is flushed record by record, so what a signal
 cuts short is at most the record being written.
 
-The loss, when it can be told: ``output.loss`` of the model (Hugging Face), or else the one
-scalar that a top-level parameter-free ``nn`` loss module returned with gradients on since the
-model's last step (none when several did: which one the script backpropagated is unknown).
+The loss and the gradients before clipping are the Monitor's own business (it hears every
+``backward()`` and ``clip_grad_norm_``): the agent only ends steps.
 """
 
 from __future__ import annotations
@@ -94,8 +93,6 @@ class _Watched:
     optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     checked: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # optimizers looked at
     stepped: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # since its last step()
-    own_loss: torch.Tensor | None = None  # output.loss of the model, since its last step()
-    losses: list[torch.Tensor] = field(default_factory=list)  # from loss modules, same window
     skip_post: bool = False
     broken: bool = False
 
@@ -118,7 +115,6 @@ class Agent:
         self.watched: list[_Watched] = []
         self._seen: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # looked at
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # known
-        self._loss_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._hooks = HookSet("hookscope watch")
         self._pid = os.getpid()
         self._exit_handlers = False
@@ -142,8 +138,7 @@ class Agent:
             return
         self._seen.add(opt)
         try:
-            models, losses, _ = _scan(opt)
-            self._hook_losses(losses)
+            models, _ = _scan(opt)
             for model in models:
                 if all(w.model is not model for w in self.watched):
                     self._watch(model)
@@ -186,12 +181,11 @@ class Agent:
 
     def _discover(self, opt: torch.optim.Optimizer) -> None:
         """An optimizer created before the start-up hook could see it, at its first step."""
-        models, losses, optimizers = _scan(opt)
+        models, optimizers = _scan(opt)
         new = []
         for model in models:
             if all(w.model is not model for w in self.watched):
                 new.append(model)
-        self._hook_losses(losses)
         if new:  # attach from a hook on this optimizer: torch runs it later in this step()
             pending = _Pending(new, optimizers, HookSet("hookscope watch: attach"))
             pending.hooks.optimizer_step_pre(opt, functools.partial(self._attach, pending))
@@ -227,7 +221,6 @@ class Agent:
             return None
         w = _Watched(model, monitor, log_dir, {id(p) for p in model.parameters()})
         self.watched.append(w)
-        self._hooks.forward(model, functools.partial(self._model_output, w))
         self._hooks.optimizer_step_post_global(functools.partial(self._after_step, w, once))
         return w
 
@@ -281,37 +274,13 @@ class Agent:
 
     def _end_step(self, w: _Watched) -> None:
         w.stepped = weakref.WeakSet()
-        loss = (
-            w.own_loss if w.own_loss is not None else (w.losses[0] if len(w.losses) == 1 else None)
-        )
-        w.own_loss, w.losses = None, []
         try:
-            w.monitor.step(**({"loss": loss} if loss is not None else {}))
+            w.monitor.step()
         except NonFiniteError:
             raise  # on_nonfinite="raise": the script stops here, as asked
         except Exception as exc:
             w.broken = True
             self._fail(f"stopped watching {type(w.model).__name__}", exc)
-
-    # -- the loss ---------------------------------------------------------------------------
-    def _hook_losses(self, modules: list[nn.Module]) -> None:
-        for module in modules:
-            if module not in self._loss_modules:
-                self._loss_modules.add(module)
-                self._hooks.forward(module, self._loss_output)
-
-    def _loss_output(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if _is_loss(output):
-            for w in self.watched:
-                if len(w.losses) < 2:  # one is the loss; two are ambiguous
-                    w.losses.append(output.detach())
-
-    def _model_output(
-        self, w: _Watched, module: nn.Module, args: Any, kwargs: Any, output: Any
-    ) -> None:
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if _is_loss(loss):
-            w.own_loss = loss.detach()
 
     # -- the end ----------------------------------------------------------------------------
     def _install_exit_handlers(self) -> None:
@@ -407,18 +376,9 @@ def _owns(opt: torch.optim.Optimizer, params: set[int]) -> bool:
     return any(id(p) in params for group in opt.param_groups for p in group["params"])
 
 
-def _is_loss(value: Any) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and value.numel() == 1
-        and value.requires_grad
-        and value.is_floating_point()
-    )
-
-
-def _scan(opt: torch.optim.Optimizer) -> tuple[list[nn.Module], list[nn.Module], list[Any]]:
+def _scan(opt: torch.optim.Optimizer) -> tuple[list[nn.Module], list[Any]]:
     """The models owning ``opt``'s parameters (top-level modules; wrappers and containers
-    looked through), the top-level parameter-free loss modules, and every optimizer."""
+    looked through), and every optimizer."""
     stepped = {id(p) for group in opt.param_groups for p in group["params"]}
     modules, optimizers = [], []
     for obj in gc.get_objects():
@@ -434,8 +394,7 @@ def _scan(opt: torch.optim.Optimizer) -> tuple[list[nn.Module], list[nn.Module],
         for model in _models_in(top, stepped):
             if all(model is not m for m in models):
                 models.append(model)
-    losses = [m for m in tops if issubclass(type(m), nn.modules.loss._Loss) and not _params(m)]
-    return models, losses, optimizers
+    return models, optimizers
 
 
 def _children(module: nn.Module) -> list[nn.Module]:

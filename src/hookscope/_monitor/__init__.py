@@ -36,12 +36,13 @@ from .._tree import tensors
 from .._version import __version__
 from ._buffer import Host, StepBuffer
 from ._calls import listen
+from ._checks import Checks, Context
 from ._dist import Collective, Entry, RankInfo, digest
 from ._nonfinite import PASS_THROUGH, NonFiniteTrail
 from ._optim import OptimizerWatch
 from ._poisoned import PoisonedWeights
 from ._probes import Activations, BatchNorms, OutputGrads, Params
-from ._trace import Tape, trace
+from ._trace import Tape, replay, trace
 
 __all__ = ["Monitor"]
 
@@ -103,6 +104,17 @@ class Monitor:
             ``on_nonfinite="raise"`` or ``"skip"``, a second, tiny collective before each
             update lets every rank take the same decision there.
             ``False``: per-rank statistics, each rank's log in ``log_dir/rank{k}``.
+        frozen: Modules declared frozen (same forms as ``where``): a ``frozen_changed``
+            finding when one of their parameters or buffers differs from its value when the
+            Monitor was built (checked on sampled steps), naming the cause.
+        replicated: Under ``torch.distributed`` with ``sync``, the modules whose parameters
+            every rank holds whole and equal; by default every plain-tensor parameter (DDP)
+            not marked ``tensor_model_parallel=True``, and ``DTensor`` parameters replicated
+            on every mesh dimension. A ``replica_divergence`` finding when they differ.
+
+    Checks of invariants run on every Monitor (``_checks/``): ``not_updated``,
+    ``stale_gradients``, ``eval_randomness``, ``eval_mismatch``, ``autocast_skipped``, and
+    with the arguments above ``frozen_changed`` and ``replica_divergence``.
 
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
     before it. Statistics are collected from modules in training mode; evaluation passes
@@ -138,6 +150,8 @@ class Monitor:
         record_dir: str | Path | None = None,
         record_on: Sequence[str] = ("nonfinite",),
         sync: bool | None = None,
+        frozen: Where | None = None,
+        replicated: Where | None = None,
         **threshold_overrides: float,
     ) -> None:
         if every is not None and (not isinstance(every, int) or every < 1):
@@ -196,6 +210,7 @@ class Monitor:
         # (several ranks, or a replay that found nothing), every module output is flagged.
         self._light = self._can_trace and self._coll is None and "" not in self.modules
         self._sampled_now = every is not None
+        self._flagging = False  # replaying the step with every module flagged
         self._layouts: dict[tuple, list[Entry]] = {}
         self._bns = BatchNorms(model)
         shapes = {n: list(p.shape) for n, p in self._params.params.items()}
@@ -220,6 +235,7 @@ class Monitor:
         self._clip_norms: list[tuple[torch.Tensor, float]] = []  # clip_grad_norm_'s, pre-clip
         self._listener = _Calls(self)
         self._stop_listening = lambda: None
+        self._checks: Checks | None = None
         self._hooks = HookSet("Monitor")
         try:
             self._tape = Tape(
@@ -245,6 +261,22 @@ class Monitor:
             )
             if optimizer is not None:
                 self._optim.adopt(optimizer)
+            self._checks = Checks(
+                Context(
+                    model,
+                    self.modules,
+                    self._params.params,
+                    self._hooks,
+                    self._write,
+                    paused=lambda: self._tape.paused,
+                    skipping=lambda: self._nonfinite is not None and self.on_nonfinite == "skip",
+                    sampler=sampler,
+                    rank=self._coll.rank if self._coll is not None else None,
+                    world=self._world,
+                ),
+                frozen=frozen,
+                replicated=replicated,
+            )
             self._stop_listening = listen(self._listener)
             if distributed and self._coll is None and log_dir is not None:
                 log_dir = Path(log_dir) / f"rank{self.rank}"
@@ -314,7 +346,7 @@ class Monitor:
     def _on_forward(
         self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
-        if self._tape.paused:  # a replay
+        if self._tape.paused and not self._flagging:  # a replay under the op tracer
             return
         if self._light and not self._sampled_now and self._tape.recording:
             return  # the edges' flags and a replay stand for this call's
@@ -455,6 +487,7 @@ class Monitor:
         if sampled:
             self._params.collect(buf)
             self._bns.collect(buf)
+        self._checks.collect(buf, sampled)
         tensor_scalars = sorted(k for k in scalars if k not in plain)
         info = None
         if self._coll is None:
@@ -487,6 +520,7 @@ class Monitor:
             poisoned = self._poison.after_update(self._nonfinite, step)
         updates = self._updates - self._skipped
         found += self._diagnosis.training_step(step, record.scalars, updates=updates)
+        found += self._checks.read(host, record)
         if sampled:
             self.graph = Graph(
                 frozenset(self._trail.edges), frozenset(self._trail.detached | self._dead_ends())
@@ -533,6 +567,7 @@ class Monitor:
             if sampled:
                 layout += self._acts.layout(rank) + self._grads.layout()
                 layout += self._params.layout(rank) + self._bns.layout(rank)
+                layout += self._checks.layout(rank)
             layout = self._layouts[key] = layout
         return layout
 
@@ -580,10 +615,34 @@ class Monitor:
             origin = trace(self._model, self._tape.calls, suspect=finding.module)
         finally:
             self._tape.paused = False
-        if origin is None:
-            self._light = False  # the replay did not find it: flag every module from now on
-            return finding
-        return origin.refine(finding)
+        if origin is not None:
+            return origin.refine(finding)
+        if self._light and not self._sampled_now:  # only the model's edges were flagged
+            flagged = self._flagged_replay(finding.step)
+            if flagged is not None:
+                return flagged
+            self._light = False  # no replay finds it: flag every module from now on
+        return finding
+
+    def _flagged_replay(self, step: int) -> Finding | None:
+        """Where the op tracer names no op (the data itself was NaN, say): replay the step
+        with every watched module flagged, as on a sampled step, and localise from those."""
+        kept = self._trail, self._buf
+        self._trail, self._buf, self._light, self._flagging = (
+            NonFiniteTrail(),
+            StepBuffer(),
+            False,
+            True,
+        )
+        self._tape.paused = True  # the tape keeps no call of the replay
+        try:
+            with contextlib.closing(replay(self._model, self._tape.calls)) as runs:
+                for _, backward in runs:
+                    backward()
+            return self._trail.localise(self._buf.to_host(), step)
+        finally:
+            self._trail, self._buf = kept
+            self._light, self._flagging, self._tape.paused = True, False, False
 
     def _with_overflow(self, nonfinite: Finding) -> list[Finding]:
         overflow = self._diagnosis.overflow(nonfinite)
@@ -697,6 +756,8 @@ class Monitor:
         call more than once."""
         self._hooks.remove()
         self._stop_listening()
+        if self._checks is not None:
+            self._checks.close()
         sinks, self._sinks = self._sinks, [self._memory]
         for sink in sinks:
             if sink is not self._memory:
@@ -781,6 +842,8 @@ class _Calls:
         # No gradient on any parameter: a new accumulation starts (zero_grad ran), and the
         # losses backpropagated before it (a GAN's other phase) are not this step's.
         fresh = all(p.grad is None for p in m._params.params.values())
+        if m._checks is not None and not m._tape.paused:
+            m._checks.before_backward()
         return m._grad_calls, fresh
 
     def after_backward(self, token: tuple[int, bool], loss: torch.Tensor | None) -> None:

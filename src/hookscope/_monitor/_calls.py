@@ -8,11 +8,11 @@ Hooks on modules and tensors cannot see three things a training step does around
   optimizer's pre-hook comes too late: a diverging run would log the clip value);
 - the loss behind ``GradScaler.scale(loss)``, which is what is backpropagated under AMP.
 
-So, while at least one Monitor is open (or the process asked to :func:`hold` them, as
-``hookscope watch`` does at start-up, before the script imports ``clip_grad_norm_`` by name),
-``torch.autograd.backward`` (``Tensor.backward`` calls it), the two clipping functions and
+So, while at least one Monitor is open, ``torch.autograd.backward`` (``Tensor.backward`` calls it), the two clipping functions and
 ``GradScaler.scale`` are wrapped. A wrapper calls the original unchanged; with no Monitor
-listening it does nothing else. The last Monitor to close puts the originals back.
+listening it does nothing else. The last Monitor to close puts the originals back. (A script that bound
+``from torch.nn.utils import clip_grad_norm_`` before the first Monitor was made calls torch's
+own function: its gradients are then read at the optimizer step, after clipping.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.amp import grad_scaler
 
-__all__ = ["Listener", "hold", "listen"]
+__all__ = ["Listener", "listen"]
 
 # The attribute a scaled loss carries: the loss before ``GradScaler.scale``.
 _UNSCALED = "_hookscope_unscaled"
@@ -50,12 +50,11 @@ class Listener(Protocol):
 
 
 _listeners: list[weakref.ref[Listener]] = []
-_held = False
 
 
 def listen(listener: Listener) -> Callable[[], None]:
     """Have ``listener`` hear of every backward pass and clip; returns the function that
-    stops it (and puts torch's functions back when nothing listens or holds them)."""
+    stops it (and puts torch's functions back when nothing listens any more)."""
     ref = weakref.ref(listener)
     _listeners.append(ref)
     _install()
@@ -63,18 +62,10 @@ def listen(listener: Listener) -> Callable[[], None]:
     def stop() -> None:
         if ref in _listeners:
             _listeners.remove(ref)
-        if not _listeners and not _held:
+        if not _listeners:
             _uninstall()
 
     return stop
-
-
-def hold() -> None:
-    """Keep the wrappers for the life of the process (``hookscope watch``'s start-up hook:
-    a script that runs ``from torch.nn.utils import clip_grad_norm_`` then binds the wrapper)."""
-    global _held
-    _held = True
-    _install()
 
 
 def _live() -> list[Listener]:

@@ -14,8 +14,8 @@ import dataclasses
 import os
 import sys
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from .._diagnose import Finding
 from .._hooks import HookSet, in_backward_recompute
 from .._tree import map_tensors, tensors
 
-__all__ = ["Call", "Origin", "Tape", "trace"]
+__all__ = ["Call", "Origin", "Tape", "replay", "trace"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # Ops whose output is uninitialised memory: garbage there is no NaN made by the model.
@@ -219,24 +219,38 @@ def trace(
     names = {id(m): n for n, m in model.named_modules()}
     containers = {n for n, m in model.named_modules() if next(iter(m.children()), None)}
     origin, outputs = None, []
-    with _preserved(model), _Tracer(names, containers, suspect) as tracer:
-        for call in calls:
-            set_rng_state(call.rng)
-            with torch.enable_grad():
-                output = model(*call.args, **call.kwargs)
+    with closing(replay(model, calls)) as runs, _Tracer(names, containers, suspect) as tracer:
+        for output, backward in runs:
             outputs.append(output)
             origin = tracer.forward_done(output)
             if origin is not None:
                 break
-            outs = tensors(output)
-            pairs = [(outs[i], g) for i, g in call.grads.items() if i < len(outs)]
-            pairs = [(o, g) for o, g in pairs if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            backward()
             origin = tracer.backward_origin
             if origin is not None:
                 break
     return (origin, outputs) if keep_outputs else origin
+
+
+def replay(model: nn.Module, calls: list[Call]) -> Iterator[tuple[Any, Callable[[], None]]]:
+    """Re-run ``calls`` on ``model``: yields each call's output and a function that runs its
+    backward pass from the gradients recorded at its outputs. Weights, buffers, ``.grad`` and
+    the RNG state are left exactly as they were once the generator is closed (use it in
+    ``contextlib.closing``: a caller may stop early)."""
+    with _preserved(model):
+        for call in calls:
+            set_rng_state(call.rng)
+            with torch.enable_grad():
+                output = model(*call.args, **call.kwargs)
+
+            def backward(call: Call = call, output: Any = output) -> None:
+                outs = tensors(output)
+                pairs = [(outs[i], g) for i, g in call.grads.items() if i < len(outs)]
+                pairs = [(o, g) for o, g in pairs if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+            yield output, backward
 
 
 @contextmanager

@@ -126,6 +126,7 @@ class EvalMismatch:
         self._eval: dict[str, float] = {}  # module -> RMS in the last evaluation
         self._train: dict[str, float] = {}  # module -> RMS on the last sampled training step
         self._next_step = 0
+        self._crossed: set[str] = set()  # modules judged apart so far
         for name, module in ctx.modules.items():
             ctx.hooks.forward(module, functools.partial(self._on_forward, name))
 
@@ -163,7 +164,11 @@ class EvalMismatch:
                 rms = math.hypot(s["mean"], s["std"])
                 if math.isfinite(rms):
                     self._train[name] = rms
-        return [f for name in self._eval if (f := self._judge(name, step)) is not None]
+        crossing = [f for name in self._eval if (f := self._judge(name, step)) is not None]
+        new = [f for f in crossing if f.module not in self._crossed]
+        self._crossed.update(f.module for f in crossing)
+        # Only where the scales first part (in call order): what follows inherits it.
+        return new[:1] if new and crossing[0] is new[0] else []
 
     def flush(self) -> None:
         """Statistics of an evaluation after the last step (written when the Monitor closes)."""
