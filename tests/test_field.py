@@ -29,8 +29,12 @@ SCRIPTS = sorted(p.name for p in FIELD.glob("*.py") if p.name != "conftest.py")
 MARKER = "# <- fault"
 TIMEOUT = 240  # seconds, per process: a hang fails the test instead of stalling the suite
 # Finding kinds that say "the learning rate is too large" (including divergence rules).
-LR_KINDS = {"exploding_gradient", "update_ratio", "loss_spike", "divergence"}
-LR_WINDOW = 3  # the learning-rate finding comes at most this many steps after the change
+# What a learning rate far too high shows as: exploding gradients or updates, a diverging
+# loss, or (a policy that collapses to certainty) gradients that all vanish.
+LR_KINDS = {"exploding_gradient", "update_ratio", "loss_spike", "vanishing_gradient"}
+# The learning-rate finding comes by the second sampled step after the change: a rule holds
+# over a span of training steps, seen on at least two sampled steps (watch's --every is 10).
+LR_WINDOW = 2 * 10
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,9 @@ class Thresholds:
             (or the total gradient norm before clipping, the scalar ``grad_norm``, while the
             loss is not below its first value) stays at least this factor above its lowest
             value so far for ``diverge_span`` training steps (two observations at least):
-            training diverges. Clipping cannot hide it: it caps the gradients the optimizer
-            sees, not the loss. The lowest value is floored at the first one over this
+            training diverges; so does a loss at least ten times its first value and a tenth
+            of this factor above its lowest (a run now far worse than untrained). Clipping
+            cannot hide it: it caps the gradients the optimizer sees, not the loss. The lowest value is floored at the first one over this
             factor (a loss near zero that comes back by a little is no divergence), and a
             loss that has been <= 0 (policy gradients, GANs) has no scale to grow from.
         vanish_ratio / vanish_rms: ``vanishing_gradient`` when the input-side RMS gradient
@@ -197,6 +198,8 @@ class Diagnosis:
         self._initial: dict[str, float] = {}  # RMS of each weight when first seen
         self._loss, self._norm = _Growth(), _Growth()
         self._diverging = _Run()
+        self._zero = _Run()  # every parameter's gradient exactly zero
+        self._learnt = False  # some gradient was non-zero at a sampled step
         self._suspect = ""  # the module with the largest gradient for its weight, last sampled
         self._last_step = -1
         self._updated = 0  # training steps with an optimizer update so far
@@ -242,7 +245,14 @@ class Diagnosis:
             return []
         self._last_step = step
         self._updated += updates > 0
-        rising = [k for k, v in _lrs(scalars).items() if v > self._lrs.get(k, math.inf) * 1.000001]
+        # A warm-up raises the learning rate by at most about x2 a step (a linear one from
+        # zero doubles it once); a jump of more is a change the ratios must be judged under.
+        rising = [
+            k
+            for k, v in _lrs(scalars).items()
+            if (before := self._lrs.get(k, math.inf)) * 1.000001 < v <= 2.01 * before
+            or before == 0 < v
+        ]
         self._warming = bool(rising)
         self._lrs.update(_lrs(scalars))
         found = self._divergence(step, scalars)
@@ -258,7 +268,12 @@ class Diagnosis:
         grew = max(loss_grew or 0.0, 0.0 if falling else norm_grew or 0.0)
         if loss_grew is None and (norm_grew is None or falling):
             return []  # nothing to judge at this step
-        self._diverging.see(step, grew >= t.explode_growth)
+        worse = (  # far worse than the untrained model it started as
+            loss_grew is not None
+            and loss >= 10 * self._loss.first
+            and loss_grew >= t.explode_growth / 10
+        )
+        self._diverging.see(step, grew >= t.explode_growth or worse)
         if not (self._diverging.state and self._diverging.lasted(t.diverge_span)):
             return []
         since = self._diverging.since
@@ -387,7 +402,32 @@ class Diagnosis:
             found = self._exploding(step, record, graph, everything, factor=100.0)
         if not found and not self._loss_rose():
             found = self._vanishing(step, record, graph, everything)
-        return found
+        return found or self._all_zero(step, record.param)
+
+    def _all_zero(self, step: int, param: dict[str, dict[str, float]]) -> list[Finding]:
+        """Every gradient exactly zero, for a span, in a model that learnt before: nothing
+        learns any more (a policy collapsed to certainty, a saturated output, a constant loss)."""
+        norms = [s["grad_norm"] for s in param.values() if s.get("grad_norm") is not None]
+        if not norms:
+            return []
+        zero = not any(norms)
+        self._learnt = self._learnt or not zero
+        self._zero.see(step, zero and self._learnt)
+        if not (self._zero.state and self._zero.lasted(self.t.update_span)):
+            return []
+        return [
+            Finding(
+                "vanishing_gradient",
+                "",
+                step,
+                0.0,
+                f"every parameter's gradient has been exactly zero from step {self._zero.since} "
+                f"to step {step}, after the model had learnt: nothing learns any more. The loss "
+                "no longer depends on the weights: a policy or classifier collapsed to "
+                "certainty, a saturated output, or a constant loss; a learning rate far too "
+                "high often causes it. Check the learning rate and the loss",
+            )
+        ]
 
     def _loss_rose(self) -> bool:
         """The loss is at least halfway (in orders of magnitude) to a divergence: gradients

@@ -207,7 +207,14 @@ def live_handle_sets() -> list[list[RemovableHandle]]:
 
 
 def in_backward_recompute() -> bool:
-    """True while autograd runs a backward pass, i.e. a checkpoint is re-running a forward."""
+    """True while autograd runs a backward pass, i.e. a checkpoint is re-running a forward.
+
+    Always False while ``torch.compile`` traces: the graph task id is not a tensor, so
+    reading it there would break the graph at every hook (and a checkpoint inside a
+    compiled graph is recomputed by the graph itself, where no hook runs).
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 

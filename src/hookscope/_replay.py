@@ -1,9 +1,9 @@
 """The flight recorder: a failing step written to disk, and replayed later, op by op.
 
-A bundle is a directory holding ``tensors.safetensors`` (the model's state, the step's root
-inputs, RNG states, the gradients that reached the model's outputs, the recorded outputs and
-the optimizer's tensors) and ``bundle.json`` (the finding, the structure of the inputs and the
-optimizer's other state). Nothing in it needs the user's code to unpickle: the model is built
+A bundle is a directory holding ``tensors.safetensors`` (the model's state, the inputs of the
+step's outermost calls into the model, RNG states, the gradients that reached the model's outputs, the recorded outputs and
+the optimizer's tensors) and ``bundle.json`` (the finding, the module each call called, by qualified name, the
+structure of the inputs and the optimizer's other state). Nothing in it needs the user's code to unpickle: the model is built
 by the user, the same way, and the bundle's state is loaded into it.
 """
 
@@ -87,11 +87,13 @@ def write_bundle(
 
     for name, value in model.state_dict().items():
         put(f"model/{name}", value)
+    names = {id(m): n for n, m in model.named_modules()}
     call_specs = []
     for i, call in enumerate(calls):
         outputs = call.outputs or []
         call_specs.append(
             {
+                "module": "" if call.module is None else names[id(call.module)],
                 "args": [_spec(a, f"call{i}/arg{j}", put) for j, a in enumerate(call.args)],
                 "kwargs": {k: _spec(v, f"call{i}/kw/{k}", put) for k, v in call.kwargs.items()},
                 "rng": {
@@ -204,7 +206,7 @@ def replay(
     if optimizer is not None and meta["optimizers"]:
         _load_optimizer(optimizer, meta["optimizers"][0], store)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    calls = [_call(spec, store, device) for spec in meta["calls"]]
+    calls = [_call(spec, store, device, model) for spec in meta["calls"]]
     recorded = Finding(**meta["finding"])
     origin, outputs = trace(model, calls, suspect=recorded.module, keep_outputs=True)
     matches = _outputs_match(meta["calls"], store, outputs)
@@ -212,7 +214,9 @@ def replay(
     return Replay(findings, matches, recorded, origin)
 
 
-def _call(spec: dict[str, Any], store: dict[str, torch.Tensor], device: torch.device) -> Call:
+def _call(
+    spec: dict[str, Any], store: dict[str, torch.Tensor], device: torch.device, model: nn.Module
+) -> Call:
     def value(s: dict[str, Any]) -> Any:
         if "tensor" in s:
             t = store[s["tensor"]].to(device)
@@ -234,7 +238,22 @@ def _call(spec: dict[str, Any], store: dict[str, torch.Tensor], device: torch.de
         rng,
         grads,
         [store[key] for key in spec["outputs"].values()],
+        module=_called(model, spec.get("module", "")),
     )
+
+
+def _called(model: nn.Module, name: str) -> nn.Module | None:
+    """The module a recorded call called: ``None`` for the model itself."""
+    if not name:
+        return None
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise HookscopeError(
+            f"the bundle replays a call of module {name!r}, which this "
+            f"{type(model).__name__} does not have. Build the model exactly as in the "
+            "recorded run."
+        ) from None
 
 
 def _load_optimizer(opt: torch.optim.Optimizer, spec: dict[str, Any], store: dict) -> None:

@@ -103,7 +103,10 @@ class Sampler:
 
 
 def _strided_index(n: int, k: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
-    period = math.prod(shape[-2:]) if len(shape) >= 2 else 1
+    # Plain ints: under torch.compile the sizes may be symbolic, and ``math.gcd`` on them is
+    # a graph break; ``int()`` specialises them instead (the index is per shape anyway).
+    n = int(n)
+    period = int(math.prod(shape[-2:])) if len(shape) >= 2 else 1
     stride = max(n // k, 1)
     while math.gcd(stride, period) != 1:
         stride += 1

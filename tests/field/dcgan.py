@@ -74,8 +74,8 @@ def main():
     netD.apply(weights_init)
     criterion = nn.BCEWithLogitsLoss()
     fixed_noise = torch.randn(16, nz, 1, 1)
-    optimizerD = torch.optim.Adam(netD.parameters(), lr=2e-3, betas=(0.5, 0.999))
-    optimizerG = torch.optim.Adam(netG.parameters(), lr=2e-3, betas=(0.5, 0.999))
+    optimizerD = torch.optim.Adam(netD.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    optimizerG = torch.optim.Adam(netG.parameters(), lr=2e-4, betas=(0.5, 0.999))
     batch_size = 32
     for i in range(30):
         netD.poisoned = FAULT == "nan" and i == 5

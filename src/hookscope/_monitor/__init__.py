@@ -243,9 +243,8 @@ class Monitor:
                 model,
                 keep_outputs=record_dir is not None,
                 on_first_call=self._save_running_stats if on_nonfinite == "skip" else None,
+                on_top_call=self._on_root,
             )
-            if self._light:
-                self._hooks.forward(model, self._on_root)
             for name, module in self.modules.items():
                 self._hooks.forward(module, functools.partial(self._on_forward, name))
             for name, module in model.named_modules():
@@ -377,17 +376,21 @@ class Monitor:
         if sampled and module.training:
             self._acts.forward(self._buf, name, outs)
 
-    def _on_root(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """Unsampled steps: flag the model's inputs and outputs, and hook the gradient that
-        reaches its outputs (every NaN/Inf that matters passes one of them, or a parameter's
-        gradient)."""
+    def _on_root(
+        self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
+        """Unsampled steps: flag the inputs and outputs of each outermost call into the model
+        (the model, or a child the training loop calls directly: ``name``), and hook the
+        gradient that reaches its outputs (every NaN/Inf that matters passes one of them, or
+        a parameter's gradient). Called by the tape as each such call returns."""
         if not self._light or self._sampled_now or self._tape.paused or in_backward_recompute():
             return
         outs = [t for t in tensors(output) if t.is_floating_point()]
-        inputs = [*tensors(args), *tensors(list(kwargs.values()))]
-        outs = self._trail.forward(self._buf, "", inputs, outs)
+        # Positional inputs only, as for every module: keyword ones are often masks that
+        # hold -inf on purpose.
+        outs = self._trail.forward(self._buf, name, tensors(args), outs, nan_inputs=True)
         if outs and torch.is_grad_enabled():
-            self._hook_grads("", outs)
+            self._hook_grads(name, outs)
 
     def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """What a container returns: a watched module's output that no container returns,
@@ -520,13 +523,13 @@ class Monitor:
             poisoned = self._poison.after_update(self._nonfinite, step)
         updates = self._updates - self._skipped
         found += self._diagnosis.training_step(step, record.scalars, updates=updates)
-        found += self._checks.read(host, record)
         if sampled:
             self.graph = Graph(
                 frozenset(self._trail.edges), frozenset(self._trail.detached | self._dead_ends())
             )
             found += self._diagnosis.sampled(step, record, self.graph)
         self._write(record.to_dict())
+        found += self._checks.read(host, record)  # after the step: its eval record follows
         new = self._report(found, before_update=self._updates == 0)
         for done in self._diagnosis.cleared():
             self.findings = mark_cleared(self.findings, done)

@@ -6,10 +6,12 @@ Hooks on modules and tensors cannot see three things a training step does around
   ``loss`` of ``logits, loss = model(x, y)``, or ``F.cross_entropy`` in the training loop);
 - the gradients *before* ``clip_grad_norm_`` / ``clip_grad_value_`` change them in place (the
   optimizer's pre-hook comes too late: a diverging run would log the clip value);
-- the loss behind ``GradScaler.scale(loss)``, which is what is backpropagated under AMP.
+- the loss behind ``GradScaler.scale(loss)``, which is what is backpropagated under AMP;
+- a ``GradScaler.step(optimizer)`` that skipped the optimizer's step (non-finite gradients):
+  no optimizer hook runs then, yet the training step is over.
 
-So, while at least one Monitor is open, ``torch.autograd.backward`` (``Tensor.backward`` calls it), the two clipping functions and
-``GradScaler.scale`` are wrapped. A wrapper calls the original unchanged; with no Monitor
+So, while at least one Monitor is open, ``torch.autograd.backward`` (``Tensor.backward`` calls
+it), the two clipping functions, ``GradScaler.scale`` and ``GradScaler.step`` are wrapped. A wrapper calls the original unchanged; with no Monitor
 listening it does nothing else. The last Monitor to close puts the originals back. (A script that bound
 ``from torch.nn.utils import clip_grad_norm_`` before the first Monitor was made calls torch's
 own function: its gradients are then read at the optimizer step, after clipping.)
@@ -26,6 +28,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.amp import grad_scaler
+from torch.optim import optimizer as _optimizer
 
 __all__ = ["Listener", "listen"]
 
@@ -34,7 +37,14 @@ _UNSCALED = "_hookscope_unscaled"
 
 
 class Listener(Protocol):
-    """What a Monitor implements to hear of these calls."""
+    """What a Monitor implements to hear of these calls.
+
+    A listener may also have ``scaler_skipped(optimizer)``, called when
+    ``GradScaler.step(optimizer)`` returned without running ``optimizer.step()`` (it found
+    Inf/NaN gradients): that training step ended without an update. It is optional (called
+    only where present): a Monitor whose loop calls ``step()`` itself needs no word of it;
+    ``hookscope watch``, which ends steps from optimizer hooks, does.
+    """
 
     def before_backward(self) -> Any:
         """Called before a backward pass; what it returns is handed to ``after_backward``."""
@@ -119,6 +129,29 @@ def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
     return scale
 
 
+def _wrap_scaler_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        skipped = [f for listener in _live() if (f := getattr(listener, "scaler_skipped", None))]
+        if not skipped:
+            return original(self, optimizer, *args, **kwargs)
+        before = _steps[0]
+        result = original(self, optimizer, *args, **kwargs)
+        if _steps[0] == before:  # no optimizer's step() began: the scaler skipped it
+            for scaler_skipped in skipped:
+                scaler_skipped(optimizer)
+        return result
+
+    return step
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """A global optimizer step pre-hook: every ``step()`` that begins, counted. (Whether
+    ``GradScaler.step`` ran the step, told by torch's own hooks rather than the scaler's
+    private state.)"""
+    _steps[0] += 1
+
+
 def _loss_of(tensors: Any) -> torch.Tensor | None:
     """The sum of the scalar floating roots of a backward pass, before any GradScaler."""
     roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -142,12 +175,17 @@ _TARGETS: list[tuple[Any, str, Callable[[Any], Any]]] = [
     (torch.nn.utils, "clip_grad_value_", functools.partial(_wrap_clip, norm=False)),
     (torch.nn.utils.clip_grad, "clip_grad_value_", functools.partial(_wrap_clip, norm=False)),
     (grad_scaler.GradScaler, "scale", _wrap_scale),
+    (grad_scaler.GradScaler, "step", _wrap_scaler_step),
 ]
+_steps = [0]  # optimizer steps begun while installed (see _count_step)
+_counting: list[Any] = []  # the handle of the counting hook, while installed
 # (owner, name) -> (torch's function, our wrapper), for what is wrapped now.
 _installed: dict[tuple[Any, str], tuple[Any, Any]] = {}
 
 
 def _install() -> None:
+    if not _counting:
+        _counting.append(_optimizer.register_optimizer_step_pre_hook(_count_step))
     wrappers: dict[int, Any] = {}  # one wrapper per function (two modules export clip_grad_*)
     for owner, name, wrap in _TARGETS:
         if (owner, name) in _installed:
@@ -166,3 +204,6 @@ def _uninstall() -> None:
         if getattr(owner, name) is wrapper:
             setattr(owner, name, original)
             del _installed[owner, name]
+    if (grad_scaler.GradScaler, "step") not in _installed:  # nothing left to count for
+        while _counting:
+            _counting.pop().remove()

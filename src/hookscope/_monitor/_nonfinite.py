@@ -87,17 +87,22 @@ class NonFiniteTrail:
         outs: list[torch.Tensor],
         *,
         pass_through: bool = False,
+        nan_inputs: bool = False,
     ) -> list[torch.Tensor]:
         """Flag the output of ``name``; return its outputs that are new tensors (an output
         that is one of its inputs, unchanged, is an alias: one point, not two). With
         ``pass_through`` (a module in :data:`PASS_THROUGH`) and one input flag, the output's
-        flag is that input's value: finite in, finite out."""
+        flag is that input's value: finite in, finite out. With ``nan_inputs``, inputs seen
+        for the first time are flagged for NaN only (the model's own inputs: an attention
+        mask holds -inf on purpose)."""
         fed = []
         passed: dict[int, int] = {}  # id -> version of each input seen before
         for t in inputs:
             known = self._known(t)
             if known is None and t.is_floating_point():
-                index = self._add(buf, Flag("input", name), t.detach().sum())
+                index = self._add(
+                    buf, Flag("input", name), _nan_flag(t) if nan_inputs else t.detach().sum()
+                )
                 known = self._made_by[id(t)] = (index, t._version, weakref.ref(t))
                 maker = self._storage.get(t.data_ptr()) if not t.requires_grad else None
                 if maker is not None:  # another module's output, cut from autograd
@@ -225,6 +230,11 @@ class NonFiniteTrail:
             "forward",
             f"forward: the inputs of {_who(name)} were NaN/Inf at step {step} (check the data)",
         )
+
+
+def _nan_flag(t: torch.Tensor) -> torch.Tensor:
+    """NaN where ``t`` holds a NaN, else 0 (infinities pass)."""
+    return torch.where(torch.isnan(t.detach()).any(), math.nan, 0.0)
 
 
 def _who(module: str) -> str:

@@ -1,8 +1,11 @@
 """Replaying a step under an op-level tracer, to name the op and the line that made a NaN/Inf.
 
-On healthy steps the Monitor only keeps a :class:`Tape` of the step, by reference: the root
-module's inputs, the RNG state before each call, and the gradient that reached the model's
-outputs from outside (so the backward pass replays without the user's loss function). When
+On healthy steps the Monitor only keeps a :class:`Tape` of the step, by reference: the inputs
+of each outermost call into the model (the model itself, or a child that the training code
+calls directly: Lightning's ``training_step`` runs ``self.decoder(self.encoder(x))``, never the
+module's own forward), the RNG state before each call, and the gradient that reached the
+call's outputs from outside it (so the backward pass replays without the user's loss
+function). When
 a flag fires, :func:`trace` replays the tape under a ``TorchDispatchMode`` that follows every
 non-finite value back to the op that made it from finite inputs, and leaves weights, buffers,
 gradients and RNG state exactly as they were.
@@ -11,6 +14,7 @@ gradients and RNG state exactly as they were.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import weakref
@@ -28,7 +32,7 @@ from .._diagnose import Finding
 from .._hooks import HookSet, in_backward_recompute
 from .._tree import map_tensors, tensors
 
-__all__ = ["Call", "Origin", "Tape", "replay", "trace"]
+__all__ = ["Call", "Origin", "Tape", "replay", "top_modules", "trace"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # Ops whose output is uninitialised memory: garbage there is no NaN made by the model.
@@ -48,8 +52,9 @@ _HOOKSCOPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @dataclass
 class Call:
-    """One call of the root module: its inputs, the RNG state before it, and the gradients
-    that reached its outputs from outside (by position in ``tensors(output)``)."""
+    """One outermost call into the model: its inputs, the RNG state before it, and the
+    gradients that reached its outputs from outside (by position in ``tensors(output)``).
+    ``module``: the module called, when it is not the model itself (a child of it)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -57,12 +62,20 @@ class Call:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: list[torch.Tensor] | None = None  # detached outputs, kept for a flight recorder
     done: bool = False
+    module: nn.Module | None = None
 
 
 class Tape:
-    """The current step's root calls, kept by reference (nothing is copied)."""
+    """The current step's outermost calls into the model, kept by reference (nothing is
+    copied).
 
-    # Beyond this many root calls in one step (micro-batches), later ones are not kept: the
+    An outermost call is a call of the root module, or of one of its top modules (its direct
+    children, looked into through ``ModuleList``/``ModuleDict``) while nothing of the model
+    runs: a training loop that calls the model's parts one by one is replayed call by call,
+    in order. ``on_top_call(name, module, args, kwargs, output)`` is called as each outermost
+    call returns (kept or not), with the output its caller gets."""
+
+    # Beyond this many calls in one step (micro-batches), later ones are not kept: the
     # tape holds each call's inputs and output gradients until step() ends, and a replay
     # that finds nothing in the kept calls leaves the module-level finding as it is.
     MAX_CALLS = 16
@@ -74,20 +87,23 @@ class Tape:
         *,
         keep_outputs: bool = False,
         on_first_call: Any = None,
+        on_top_call: Any = None,
     ) -> None:
         self.keep_outputs = keep_outputs
-        self.on_first_call = on_first_call  # called before the step's first root call
+        self.on_first_call = on_first_call  # called before the step's first outermost call
+        self.on_top_call = on_top_call
         self.calls: list[Call] = []
         self.paused = False
-        self.grad_enabled: bool | None = None  # autograd's mode when the root was called
-        # True while a root call that the tape keeps runs: a replay of the step can then
-        # re-run whatever happens inside it.
+        self.grad_enabled: bool | None = None  # autograd's mode when the model was called
+        # True while an outermost call that the tape keeps runs: a replay of the step can
+        # then re-run whatever happens inside it.
         self.recording = False
         self._depth = 0
-        hooks.forward_pre(root, self._before, prepend=True)
-        hooks.forward(root, self._after, always_call=True)
+        for name, module in top_modules(root):
+            hooks.forward_pre(module, functools.partial(self._before, name), prepend=True)
+            hooks.forward(module, functools.partial(self._after, name), always_call=True)
 
-    def _before(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _before(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # a compiled graph is replayed eagerly, not taped
             return
         self._depth += 1
@@ -98,18 +114,27 @@ class Tape:
             self.on_first_call()
         if len(self.calls) >= self.MAX_CALLS:
             return
-        self.calls.append(Call(args, dict(kwargs), rng_state()))
+        self.calls.append(Call(args, dict(kwargs), rng_state(), module=module if name else None))
         self.recording = True
 
-    def _after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    def _after(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if torch.compiler.is_compiling():
             return None
         self._depth -= 1
-        if self._depth == 0:
-            self.grad_enabled = None
-            self.recording = False
-        if self.paused or self._depth > 0 or in_backward_recompute() or not self.calls:
+        if self._depth > 0:
             return None
+        self.grad_enabled = None
+        kept, self.recording = self.recording, False
+        if self.paused or in_backward_recompute():
+            return None
+        aliased = self._end(output) if kept else None
+        if self.on_top_call is not None:
+            self.on_top_call(name, module, args, kwargs, output if aliased is None else aliased)
+        return aliased
+
+    def _end(self, output: Any) -> Any:
+        """The kept call that just returned ``output``: what its caller gets instead (aliases
+        that hear the gradient coming from outside), or ``None`` for ``output`` itself."""
         call = self.calls[-1]
         if call.done:
             return None
@@ -120,7 +145,7 @@ class Tape:
             self._keep(call, output)
             return None
         # Hand the caller a fresh alias of each output, whose hook sees only the gradient
-        # flowing in from outside the model (not, say, from a loss the model computes itself).
+        # flowing in from outside the call (not, say, from a loss the model computes itself).
         count = [0]
 
         def alias(t: torch.Tensor) -> torch.Tensor:
@@ -146,6 +171,21 @@ class Tape:
 
     def reset(self) -> None:
         self.calls = []
+
+
+def top_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The root and the modules a training loop may call directly instead of it: its
+    children, and the children of a ``ModuleList``/``ModuleDict`` child (no forward of
+    their own), by qualified name."""
+    found: list[tuple[str, nn.Module]] = [("", root)]
+    todo = [(name, child) for name, child in root.named_children()]
+    while todo:
+        name, module = todo.pop(0)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            todo += [(f"{name}.{n}", c) for n, c in module.named_children()]
+        elif all(module is not m for _, m in found):  # a module shared by two names: once
+            found.append((name, module))
+    return found
 
 
 def rng_state() -> dict[str, Any]:
@@ -239,9 +279,11 @@ def replay(model: nn.Module, calls: list[Call]) -> Iterator[tuple[Any, Callable[
     ``contextlib.closing``: a caller may stop early)."""
     with _preserved(model):
         for call in calls:
+            module = model if call.module is None else call.module
+            args, kwargs = map_tensors(_cut, (call.args, call.kwargs))
             set_rng_state(call.rng)
             with torch.enable_grad():
-                output = model(*call.args, **call.kwargs)
+                output = module(*args, **kwargs)
 
             def backward(call: Call = call, output: Any = output) -> None:
                 outs = tensors(output)
@@ -251,6 +293,16 @@ def replay(model: nn.Module, calls: list[Call]) -> Iterator[tuple[Any, Callable[
                     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
             yield output, backward
+
+
+def _cut(t: torch.Tensor) -> torch.Tensor:
+    """An input made by an earlier part of the step (the encoder's output, fed to the
+    decoder): the same values, without the graph behind it, whose saved tensors the step's
+    own backward has freed. The replayed backward pass then ends at the call's inputs. A
+    copy, not a leaf: the model may change its input in place (``ReLU(inplace=True)``)."""
+    if t.grad_fn is None:
+        return t
+    return t.detach().requires_grad_().clone()
 
 
 @contextmanager
