@@ -15,7 +15,7 @@ Start-up: a process that never steps an optimizer (``python -c pass``, and ``pyt
 "import torch"``, the torchrun launcher's and a spawned DataLoader worker's case) with and
 without the start-up hook's environment, ``--startup`` alternating pairs.
 
-    python benchmarks/bench_watch.py [--quick] [--pairs N] [--steps N] [--startup N]
+    python benchmarks/bench_watch.py [--quick] [--model cnn|gpt] [--pairs N] [--steps N] [--startup N]
 """
 
 from __future__ import annotations
@@ -60,6 +60,57 @@ with open(os.environ["BENCH_TIMES"], "w") as f:
     f.write(f"{{started}} {{time.time()}}")
 """
 
+# --model gpt: a small GPT trained as the common GPT trainers do (loss computed in forward and
+# returned with the logits, AdamW, gradient clipping), 60 steps by default.
+TRAIN_GPT = """
+import os, time
+started = time.time()
+import torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+torch.set_num_threads({threads})
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+class GPT(nn.Module):
+    def __init__(self, vocab=256, d=128, layers=4, heads=4, length=64):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(length, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+    def forward(self, idx, targets=None):
+        t = idx.size(1)
+        mask = torch.triu(torch.full((t, t), float("-inf")), 1)
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for block in self.blocks:
+            x = block(x, mask)
+        logits = self.head(self.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+model = GPT()
+opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+data = torch.randint(0, 256, (4096,))
+for step in range({steps}):
+    i = torch.randint(0, len(data) - 65, (8,))
+    x = torch.stack([data[j:j + 64] for j in i]); y = torch.stack([data[j + 1:j + 65] for j in i])
+    _, loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); opt.zero_grad(set_to_none=True)
+    loss.item()
+with open(os.environ["BENCH_TIMES"], "w") as f:
+    f.write(f"{{started}} {{time.time()}}")
+"""
+
 
 _PHASES: list[tuple[float, float]] = []  # watched runs: (before the script, after it)
 
@@ -96,9 +147,9 @@ def _spread(ts: list[float]) -> str:
     return f"{statistics.median(ts):6.2f} s (min {min(ts):.2f}, max {max(ts):.2f})"
 
 
-def whole_command(pairs: int, steps: int, threads: int, tmp: Path) -> None:
+def whole_command(pairs: int, steps: int, threads: int, tmp: Path, model: str = "cnn") -> None:
     script = tmp / "train.py"
-    script.write_text(TRAIN.format(steps=steps, threads=threads))
+    script.write_text((TRAIN_GPT if model == "gpt" else TRAIN).format(steps=steps, threads=threads))
     bare = ([sys.executable, str(script)], None)
     out = tmp / "watch"
     watch = ([sys.executable, "-m", "hookscope", "watch", "--out", str(out), "--", *bare[0]], None)
@@ -109,7 +160,7 @@ def whole_command(pairs: int, steps: int, threads: int, tmp: Path) -> None:
     mb, mw, mc = (statistics.median(t) for t in (tb, tw, tc))
     before = statistics.median(p[0] for p in _PHASES)
     after = statistics.median(p[1] for p in _PHASES)
-    print(f"\nwhole command: CNN, {steps} steps, every=10, {pairs} pairs")
+    print(f"\nwhole command: {model.upper()}, {steps} steps, every=10, {pairs} pairs")
     print(f"  bare python train.py          {_spread(tb)}")
     print(
         f"  hookscope watch -- ...        {_spread(tw)}   ratio {mw / mb:.2f}x (+{mw - mb:.2f} s)"
@@ -138,10 +189,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few repetitions, short run")
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--model", choices=("cnn", "gpt"), default="cnn")
+    parser.add_argument("--steps", type=int, default=None, help="default: 200 (cnn), 60 (gpt)")
     parser.add_argument("--startup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the script")
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 60 if args.model == "gpt" else 200
     if args.quick:
         args.pairs, args.steps, args.startup = 2, 30, 4
     print(
@@ -149,7 +203,7 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        whole_command(args.pairs, args.steps, args.threads, Path(tmp))
+        whole_command(args.pairs, args.steps, args.threads, Path(tmp), args.model)
         startup(args.startup, Path(tmp))
 
 

@@ -41,7 +41,9 @@ STEPS = 5
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +140,7 @@ class RebindingSGD(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     if self.bug:
-                        p = p - group["lr"] * p.grad  # noqa: PLW2901
+                        p = p - group["lr"] * p.grad
                     else:
                         p.sub_(group["lr"] * p.grad)
 
@@ -190,7 +192,7 @@ def _eval_random(attention_bug: bool, dropout_bug: bool, bug: bool) -> Outcome:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, 6, 8)
     with hs.Monitor(model) as mon:
-        for s in range(2):
+        for _ in range(2):
             F.mse_loss(model(x), torch.zeros(4, 6, 4)).backward()
             opt.step()
             opt.zero_grad()
@@ -374,7 +376,9 @@ CASES = [
     Case("optimizer of frozen parameters only", optimizer_of_frozen_head, "not_updated", 0),
     Case("custom optimizer rebinds p (p = p - lr*g)", rebinding_optimizer, "not_updated", 0),
     Case("optimizer built for the model before a copy", optimizer_of_a_copy, "not_updated", 0),
-    Case("F.dropout(training=True) in evaluation", functional_dropout_in_eval, "eval_randomness", 2),
+    Case(
+        "F.dropout(training=True) in evaluation", functional_dropout_in_eval, "eval_randomness", 2
+    ),
     Case("attention dropout_p=p in evaluation", attention_dropout_in_eval, "eval_randomness", 2),
     Case("layer disables autocast for itself", autocast_disabled_layer, "autocast_skipped", 0),
     Case("float64 layer inside autocast", float64_layer_under_autocast, "autocast_skipped", 0),
@@ -401,7 +405,7 @@ def run_cases() -> None:
         alarms += len(false)
         twin_text = "silent" if not false else ", ".join(f"{f.kind}@{f.module}" for f in false)
         print(
-            f"{case.name:48} {case.kind:18} {case.trigger:>7} {str(first):>5}  {twin_text}"
+            f"{case.name:48} {case.kind:18} {case.trigger:>7} {first!s:>5}  {twin_text}"
             + ("" if ok else "  (NOT PROVED by plain torch)")
         )
     n = len(CASES)
@@ -432,6 +436,15 @@ class _NoChecks:
         pass
 
 
+def _timed_step(model: nn.Module, opt: torch.optim.Optimizer, mon: hs.Monitor, ids) -> float:
+    t = time.perf_counter()
+    opt.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    mon.step()
+    return time.perf_counter() - t
+
+
 def cost(pairs: int) -> None:
     """Paired, interleaved: a Monitor with the checks against one without them."""
     import sys
@@ -456,12 +469,7 @@ def cost(pairs: int) -> None:
         totals = {"with": 0.0, "without": 0.0}
 
         def step(key: str) -> float:
-            t = time.perf_counter()
-            opts[key].zero_grad()
-            models[key](ids, labels=ids).loss.backward()
-            opts[key].step()
-            mons[key].step()
-            return time.perf_counter() - t
+            return _timed_step(models[key], opts[key], mons[key], ids)  # noqa: B023
 
         for _ in range(3):
             step("with"), step("without")

@@ -124,6 +124,62 @@ def test_grad_scaler_loss_is_logged_unscaled() -> None:
         assert record["scalars"]["grad_norm"] == pytest.approx(before, rel=1e-4)
 
 
+class Skips:
+    """A listener of the calls into torch with the optional ``scaler_skipped``."""
+
+    def __init__(self) -> None:
+        self.skipped: list[torch.optim.Optimizer] = []
+
+    def before_backward(self) -> None:
+        return None
+
+    def after_backward(self, token: None, loss: torch.Tensor | None) -> None:
+        return None
+
+    def before_clip(self, params: list[torch.Tensor]) -> None:
+        return None
+
+    def clipped(self, params: list[torch.Tensor], total_norm: torch.Tensor, p: float) -> None:
+        return None
+
+    def scaler_skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        self.skipped.append(optimizer)
+
+
+def test_a_step_grad_scaler_skips_is_heard_and_only_that_one() -> None:
+    """A real CPU GradScaler skips ``opt.step()`` where the gradients hold an Inf: the
+    listener hears exactly those calls of ``scaler.step``; the Monitor beside it (no
+    ``scaler_skipped``) logs the step without an update, as before."""
+    from hookscope._monitor._calls import listen
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    listener, heard = Skips(), []
+    with hs.Monitor(model, every=1) as mon:
+        stop = listen(listener)
+        try:
+            for step in range(4):
+                x = torch.randn(16, 8)
+                if step == 2:
+                    x[0, 0] = float("inf")
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                before = len(listener.skipped)
+                scaler.step(opt)
+                heard.append(len(listener.skipped) - before)
+                scaler.update()
+                opt.zero_grad()
+                mon.step()
+        finally:
+            stop()
+    assert heard == [0, 0, 1, 0] and listener.skipped == [opt]
+    skipped = [e["step"] for e in mon.records if e.get("kind") == "skipped_step"]
+    assert skipped == [2]
+
+
 def test_gradients_are_read_before_clipping() -> None:
     """Gradients clipped on every step: the logged gradient norms are the pre-clip ones
     (read after clip_grad_norm_, they would all be the clip value), per parameter and in total."""
@@ -174,7 +230,11 @@ def test_torch_functions_are_put_back_and_nothing_is_kept() -> None:
         torch.nn.utils.clip_grad_norm_,
         torch.nn.utils.clip_grad_value_,
         torch.amp.GradScaler.scale,
+        torch.amp.GradScaler.step,
     )
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    global_hooks = len(_global_optimizer_pre_hooks)
     model = TupleGPT()
     with hs.Monitor(model) as outer:
         with hs.Monitor(model):
@@ -189,7 +249,9 @@ def test_torch_functions_are_put_back_and_nothing_is_kept() -> None:
         torch.nn.utils.clip_grad_norm_,
         torch.nn.utils.clip_grad_value_,
         torch.amp.GradScaler.scale,
+        torch.amp.GradScaler.step,
     )
     assert current == originals
+    assert len(_global_optimizer_pre_hooks) == global_hooks  # GradScaler.step's step counter
     assert_no_hooks(model)
     assert outer._loss is None  # the last step's loss is not kept alive after it

@@ -100,3 +100,78 @@ def test_cli_replay_prints_the_finding_op_and_line(tmp_path) -> None:
 def _line(marker: str) -> int:
     lines = Path(__file__).read_text().splitlines()
     return next(i + 1 for i, line in enumerate(lines) if line.rstrip().endswith(marker))
+
+
+class Encoder(nn.Module):
+    """A NaN made in its own code, between its children: what the cheap flags cannot name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.poisoned = False
+
+    def forward(self, x):
+        z = self.l1(x)
+        if self.poisoned:
+            z = torch.log(z - 50.0)  # <- the encoder's op
+        return z
+
+
+class AutoEncoder(nn.Module):
+    """Lightning's pattern: the training step calls the parts, never ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Encoder()
+        self.parts = nn.ModuleList([nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, 12))])
+
+    def forward(self, x):
+        return self.parts[0](self.encoder(x))
+
+
+def build_parts() -> nn.Module:
+    torch.manual_seed(0)
+    return AutoEncoder()
+
+
+def test_a_loop_calling_the_models_parts_is_replayed_call_by_call(tmp_path) -> None:
+    """The NaN is made in the encoder's own code at step 3, an unsampled step: the replay
+    re-runs the encoder's and the decoder's calls, in order, and names the op and line; the
+    bundle names the module of each call and replays the same."""
+    model = build_parts()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    calls = []
+    with hs.Monitor(model, every=10, record_dir=tmp_path) as mon:
+        for step in range(5):
+            x = torch.randn(16, 12)
+            model.encoder.poisoned = step == 3
+            loss = nn.functional.mse_loss(model.parts[0](model.encoder(x)), x)
+            opt.zero_grad()
+            loss.backward()
+            if step == 3:
+                calls = list(mon._tape.calls)
+            opt.step()
+            mon.step()
+    assert [c.module for c in calls] == [model.encoder, model.parts[0]]
+    first = next(f for f in mon.findings if f.kind == "nonfinite")
+    line = f"{Path(__file__).name}:{_line('# <- the encoder' + chr(39) + 's op')}"
+    assert (first.step, first.module, first.op) == (3, "encoder", "aten.log")
+    assert first.source.endswith(line)
+    (bundle,) = tmp_path.glob("step*-nonfinite")
+    meta = json.loads((bundle / "bundle.json").read_text())
+    assert [c["module"] for c in meta["calls"]] == ["encoder", "parts.0"]
+    fresh = build_parts()
+    fresh.encoder.poisoned = True  # the model's own flag is no state a bundle records
+    result = hs.replay(bundle, fresh)
+    (replayed,) = result.findings
+    assert (replayed.module, replayed.op) == ("encoder", "aten.log")
+    assert replayed.source.endswith(line) and result.loss_matches is True
+
+
+def test_a_call_of_the_model_itself_is_still_one_call() -> None:
+    """Calling the model (whose forward calls its parts) keeps one call, of the model."""
+    model = build_parts()
+    with hs.Monitor(model, every=None) as mon:
+        model(torch.randn(4, 12)).sum().backward()
+        assert [c.module for c in mon._tape.calls] == [None]
+        mon.step()

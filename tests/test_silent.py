@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from models import bert, gpt2, images, resnet_pair, token_ids
 from torch import nn
 
 import hookscope as hs
 from hookscope._log import EvalRecord
+from models import bert, gpt2, images, resnet_pair, token_ids
 
 SILENT_KINDS = {
     "not_updated",
@@ -127,7 +127,7 @@ class RebindingSGD(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p = p - group["lr"] * p.grad  # noqa: PLW2901 (the bug under test)
+                    p = p - group["lr"] * p.grad
         return None
 
 
@@ -204,7 +204,12 @@ class Attention(nn.Module):
 
     def __init__(self, width: int, fixed: bool) -> None:
         super().__init__()
-        self.qkv, self.proj, self.p, self.fixed = nn.Linear(width, 3 * width), nn.Linear(width, width), 0.1, fixed
+        self.qkv, self.proj, self.p, self.fixed = (
+            nn.Linear(width, 3 * width),
+            nn.Linear(width, width),
+            0.1,
+            fixed,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
@@ -219,7 +224,9 @@ def test_attention_dropout_in_evaluation_is_named_to_the_attention_module(fixed:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with hs.Monitor(model, every=1) as mon:
         for _ in range(2):  # training draws random numbers: fine
-            F.cross_entropy(model(token_ids(2, 8, 50)).flatten(0, 1), token_ids(2, 8, 50).flatten()).backward()
+            F.cross_entropy(
+                model(token_ids(2, 8, 50)).flatten(0, 1), token_ids(2, 8, 50).flatten()
+            ).backward()
             opt.step()
             opt.zero_grad()
             mon.step()

@@ -196,6 +196,84 @@ def test_a_process_that_never_steps_imports_nothing_and_writes_nothing(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_process_that_only_runs_forward_passes_imports_no_hookscope(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # torch imported and a model run (inference): the backward trampoline never fires.
+    probe = (
+        "import sys, torch; torch.nn.Linear(4, 2)(torch.randn(3, 4)).sum(); "
+        "print(any(m.split('.')[0] == 'hookscope' for m in sys.modules))"
+    )
+    assert _watch(tmp_path, sys.executable, "-c", probe) == 0
+    out, err = capfd.readouterr()
+    assert out == "False\n"
+    assert "nothing to report: no model was watched" in err
+
+
+# Plain SGD by hand, as PyTorch's word_language_model example trains: no torch.optim at all.
+BY_HAND = """
+import torch, torch.nn as nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)
+        self.poison = False
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        if self.poison:
+            h = torch.log(h - 1.0)  # <- log
+        return self.fc2(h)
+
+torch.manual_seed(0)
+model = Net()
+losses = []
+for step in range(8):
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    model.poison = step == {bad}
+    model.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-0.1)
+    losses.append(loss.item())
+    if step == 3:
+        with torch.no_grad():
+            model.eval(); model(torch.randn(4, 8)); model.train()  # evaluation: no step
+print(" ".join(f"{{l:.6f}}" for l in losses))
+"""
+
+
+@pytest.mark.parametrize("bad", [-1, 5])
+def test_a_model_trained_by_hand_is_watched_a_step_per_forward_and_backward(
+    tmp_path: Path, bad: int, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "by_hand.py"
+    script.write_text(BY_HAND.format(bad=bad))
+    assert _watch(tmp_path, sys.executable, str(script), options=("--every", "1")) == 0
+    out, err = capfd.readouterr()
+    losses = [float(v) for v in out.split()]
+    steps = _records(tmp_path / "out", "step")
+    assert [s["step"] for s in steps] == list(range(8))  # step 0 (found by its backward) too
+    finite = bad if bad >= 0 else len(steps)  # the steps before the NaN
+    logged = [s["scalars"]["loss"] for s in steps]
+    assert logged[:finite] == pytest.approx(losses[:finite])
+    assert all(s["param"]["fc1.weight"]["grad_norm"] > 0 for s in steps[:finite])
+    assert set(steps[1]["act"]) == {"fc1", "act", "fc2"}  # later forwards watched
+    assert "[hookscope] watching Net (3 modules)" in err
+    findings = _records(tmp_path / "out", "finding")
+    if bad < 0:
+        assert findings == []
+        return
+    line = next(i + 1 for i, text in enumerate(BY_HAND.splitlines()) if "# <- log" in text)
+    first = findings[0]
+    # checked before the script's own update: the replay still sees finite weights
+    assert (first["kind"], first["step"], first["op"]) == ("nonfinite", bad, "aten.log")
+    assert first["source"] == f"{script}:{line}"
+
+
 def test_a_model_that_cannot_be_watched_gets_the_whole_message(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

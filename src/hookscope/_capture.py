@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ._errors import HookscopeError, NeverCalledWarning, NoGradWarning
-from ._hooks import HookSet, check_not_compiled, in_backward_recompute
+from ._hooks import HookSet, eager_model, in_backward_recompute
 from ._record import Keeper, Record
 from ._select import Where, select
 from ._sites import (
@@ -80,7 +80,6 @@ def capture(
 
     Raises:
         SelectionError: If ``where`` matches nothing.
-        CompiledModelError: If ``model`` was already compiled (hooks would never fire).
 
     Example:
         >>> import torch, hookscope as hs, torch.nn as nn
@@ -113,7 +112,7 @@ class Capture:
                 raise ValueError(f"what: unknown point {point!r}; choose from {', '.join(POINTS)}")
         if keep not in ("last", "all"):
             raise ValueError(f"keep must be 'last' or 'all', got {keep!r}")
-        check_not_compiled(model, "capture")
+        model = eager_model(model, "capture")  # compiled already: traced again, with a warning
         self.names: tuple[str, ...] = tuple(select(model, where))
         self.what, self.keep = what, keep
         self._keeper = keeper

@@ -29,7 +29,9 @@ class Finding:
             ``"dead_units"``, ``"saturated_units"`` or ``"update_ratio"``; the checks of
             silent errors (``_monitor/_checks/``): ``"not_updated"``, ``"stale_gradients"``,
             ``"eval_randomness"``, ``"eval_mismatch"``, ``"autocast_skipped"``,
-            ``"frozen_changed"`` and ``"replica_divergence"``.
+            ``"frozen_changed"`` and ``"replica_divergence"``; the large-model signals
+            (``_monitor/_signals.py``): ``"loss_spike"`` (``module``: the parameter group
+            whose gradient norm left its range first, ``""`` when none did).
         module: Qualified name of the module (for ``update_ratio``, the parameter's module).
         step: The step it was first seen at (steps count from 0).
         value: The measured value that crossed the threshold.
@@ -152,6 +154,17 @@ class Thresholds:
         tiny_rms: Weights whose RMS is below this (zero-initialised cls tokens, gates and
             position tables; deliberately tiny inits) are not judged by ratios to their own
             norm: those ratios are ~1/(t+1) at any learning rate.
+        spike_window / spike_k / spike_rel / spike_min_history: ``loss_spike`` when the
+            loss exceeds the median of the ``spike_window`` losses before it by more than
+            ``spike_k`` scaled MADs (1.4826 x MAD estimates a standard deviation; Iglewicz
+            and Hoaglin's robust outlier rule uses 3.5, raised to 6 for heavy-tailed batch
+            losses: the healthy runs of ``benchmarks/spikes.py`` stay silent) and by at least
+            ``spike_rel`` of the median (a converged loss with almost no noise), after
+            ``spike_min_history`` steps. 50 steps: enough for a robust median, short enough
+            to follow a decaying loss.
+        spike_lead: A group's gradient norm that has been out of its own range (the same
+            rule over its own window) for up to this many steps before a spike is said to
+            lead it.
     """
 
     dead_unit: float = 0.7
@@ -172,6 +185,11 @@ class Thresholds:
     update_skip: int = 10
     no_grad_span: int = 2
     tiny_rms: float = 1e-3
+    spike_window: int = 50
+    spike_k: float = 6.0
+    spike_rel: float = 0.05
+    spike_min_history: int = 20
+    spike_lead: int = 20
 
 
 class Diagnosis:

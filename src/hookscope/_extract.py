@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._errors import HookscopeError
-from ._hooks import HookSet, check_not_compiled, training_mode
+from ._hooks import HookSet, eager_calls, training_mode, uncompiled
 from ._record import Keeper
 from ._select import Where, select
 from ._sites import forward_failed
@@ -60,7 +60,7 @@ def extract(
         >>> feats["1"].shape
         torch.Size([5, 8])
     """
-    check_not_compiled(model, "extract")
+    model = uncompiled(model)  # a one-off pass: run eagerly, nothing to recompile
     chosen = select(model, where)
     keeper = Keeper(device, dtype)
     found: dict[str, Any] = {}
@@ -77,7 +77,7 @@ def extract(
     with HookSet("extract") as hooks, training_mode(model, False if eval else model.training):
         for name, module in chosen.items():
             hooks.forward(module, functools.partial(keep, name))
-        with torch.no_grad(), contextlib.suppress(_StopForward):
+        with torch.no_grad(), eager_calls(), contextlib.suppress(_StopForward):
             model(*inputs, **kwargs)
     if pending:
         from ._capture import _never_ran_message

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,14 +28,17 @@ from torch import nn
 from torch.optim import optimizer as _optimizer
 from torch.utils.hooks import RemovableHandle
 
-from ._errors import CompiledModelError
+from ._errors import CompiledModelError, HookscopeWarning
 
 __all__ = [
     "HookSet",
     "check_not_compiled",
+    "eager_calls",
+    "eager_model",
     "in_backward_recompute",
     "live_handles",
     "training_mode",
+    "uncompiled",
     "unwrap_parallel",
 ]
 
@@ -221,8 +225,8 @@ def in_backward_recompute() -> bool:
 def check_not_compiled(model: nn.Module, verb: str) -> None:
     """Refuse a model that ``torch.compile`` already wrapped, in whole or in part.
 
-    Hooks added to a compiled module are silently ignored by its compiled graph
-    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so nothing would be seen.
+    For the verbs that run the model themselves (``summary``, ``extract_dataset``); the
+    others attach through :func:`eager_model`, which watches a compiled model instead.
     """
     for name, module in model.named_modules():
         wrapped = _is_optimized_module(module)
@@ -231,18 +235,110 @@ def check_not_compiled(model: nn.Module, verb: str) -> None:
         what = "the model" if not name else f"its submodule {name!r}"
         how = "torch.compile(...)" if wrapped else ".compile()"
         raise CompiledModelError(
-            f"{verb}: {what} is already compiled with {how}. Hooks added after compiling are "
-            "silently ignored by the compiled graph, so nothing would be seen.\n"
-            f"Fix: attach hookscope to the eager model *before* compiling, e.g.\n"
-            f"    with hs.{verb}(model, ...):\n"
-            f"        compiled = torch.compile(model)\n"
-            f"        compiled(x)\n"
+            f"{verb}: {what} is already compiled with {how}, and {verb} runs the model "
+            "itself.\n"
             + (
-                "or pass the eager module the wrapper holds, `._orig_mod`, to run it uncompiled."
+                "Fix: pass the eager module the wrapper holds, `._orig_mod`."
                 if wrapped
-                else "or run the model uncompiled for this call."
+                else "Fix: pass an uncompiled copy of the model."
             )
         )
+
+
+def eager_model(model: nn.Module, verb: str) -> nn.Module:
+    """The module to put hooks on, for a model that may be compiled already.
+
+    ``torch.compile(model)`` returns a wrapper whose eager module, ``._orig_mod``, is the
+    one whose module names the user knows: hooks go there, and Dynamo traces them into the
+    graph when it compiles. A graph compiled *before* the hooks were added does not see
+    them: Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``), so it runs
+    that graph without them and records nothing, silently. That is the case when Dynamo
+    holds compiled code for any of the model's modules (this model compiled and run, in
+    whole, in place, or block by block, or another instance of one of its classes): then
+    every compiled function is dropped, once, with a warning, and the model is traced again
+    with the hooks at its next call.
+    """
+    model = uncompiled(model)
+    compiled = _compiled_classes(model)
+    if compiled:
+        import torch._dynamo
+
+        warnings.warn(
+            f"hookscope: torch._dynamo.reset() so that the compiled model is traced again "
+            f"with hookscope's hooks (one recompile). {verb} attached after torch.compile "
+            f"had already compiled {', '.join(compiled)}; that graph would run without "
+            "the hooks and record nothing. The reset drops every compiled function of this "
+            "process: each compiles again at its next call. To avoid it, attach hookscope "
+            "before the first compiled call.",
+            HookscopeWarning,
+            stacklevel=3,
+        )
+        torch._dynamo.reset()
+    return model
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The eager model inside ``torch.compile``'s wrapper and ``DistributedDataParallel``
+    (in any order), or ``model`` itself: the one whose module names the user knows."""
+    model = unwrap_parallel(model)
+    while _is_optimized_module(model):
+        model = unwrap_parallel(model._orig_mod)
+    return model
+
+
+def eager_calls() -> contextlib.AbstractContextManager[None]:
+    """For a pass hookscope runs itself: every compiled function runs eagerly, with the
+    hooks and without compiling anything (``torch.compiler.set_stance("force_eager")``)."""
+    if "torch._dynamo" not in sys.modules:  # nothing was ever compiled
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
+def _compiled_classes(model: nn.Module) -> list[str]:
+    """Classes of ``model``'s modules whose ``forward`` code Dynamo holds compiled code for.
+
+    Dynamo keeps its compiled graphs in a cache on each code object it compiled: the
+    ``forward`` of the module ``torch.compile`` wrapped, of a module compiled in place, or
+    of a block compiled on its own, shared by every instance of the class.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # dynamo never imported: nothing
+    entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)  # was compiled
+    if entries is None:
+        return []
+    found: dict[str, None] = {}
+    for kind in dict.fromkeys(type(m) for m in model.modules()):
+        if any(entries(code) for code in _forward_codes(kind)):
+            found[kind.__name__] = None
+    if _wrapped_inline(model) and entries(_wrap_inline_code()):
+        found[type(model).__name__] = None
+    return list(found)
+
+
+def _wrapped_inline(model: nn.Module) -> bool:
+    """Whether ``torch.compile(model)`` compiles a wrapper around ``model`` instead of its
+    ``forward``: the case for torch's own modules (``nn.Sequential``), whose code Dynamo
+    inlines rather than compiles."""
+    trace_rules = sys.modules.get("torch._dynamo.trace_rules")
+    return trace_rules is not None and bool(trace_rules.check(model.forward))
+
+
+def _wrap_inline_code() -> Any:
+    """The code of the wrapper that ``torch.compile`` puts around torch's own modules, one
+    code object for all of them: compiled code there may be for this model."""
+    from torch._dynamo import external_utils
+
+    return external_utils.wrap_inline(nn.Identity()).__code__
+
+
+def _forward_codes(kind: type) -> list[Any]:
+    """The code objects of ``kind.forward`` and of the functions its decorators wrap."""
+    codes, fn, seen = [], getattr(kind, "forward", None), 0
+    while fn is not None and seen < 8:  # a decorator's wrapper is the frame Dynamo compiles
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            codes.append(code)
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
+    return codes
 
 
 def _is_optimized_module(model: nn.Module) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ._errors import InterventionError, NoGradWarning
-from ._hooks import HookSet, check_not_compiled, in_backward_recompute
+from ._hooks import HookSet, eager_model, in_backward_recompute
 from ._select import Where, select
 from ._sites import (
     POINTS,
@@ -87,10 +87,10 @@ class Intervention:
     """The hooks of one :func:`intervene` call; a context manager. ``close()`` removes them."""
 
     def __init__(self, model: nn.Module, edits: Mapping[Any, EditFn], at: str) -> None:
-        check_not_compiled(model, "intervene")
         for where, fn in edits.items():
             if not callable(fn):
                 raise TypeError(f"intervene: the edit for {where!r} must be callable, got {fn!r}")
+        model = eager_model(model, "intervene")  # compiled already: traced again, with a warning
         plan: dict[str, list[EditFn]] = {}
         for where, fn in edits.items():
             chosen = select(model, list(where) if isinstance(where, tuple) else where)

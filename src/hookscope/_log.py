@@ -27,6 +27,7 @@ __all__ = [
     "Event",
     "Header",
     "StepRecord",
+    "Window",
     "decode",
     "encode",
     "log_path",
@@ -137,6 +138,19 @@ class Cleared:
     def of(cls, finding: Any) -> Cleared:
         """The record of a finding that :meth:`Diagnosis.cleared` handed back."""
         return cls(finding.kind, finding.module, finding.step, finding.cleared_at)
+
+
+@dataclass
+class Window:
+    """The rolling window around a training signal (a ``loss_spike``): the last steps'
+    scalars and, per parameter group, the L1 norm of its gradients, step by step."""
+
+    step: int
+    kind: str
+    steps: list[int]
+    scalars: dict[str, list[float]]
+    groups: dict[str, list[float]]
+    type: str = "window"
 
 
 # -- JSON: non-finite floats are the strings "nan", "inf", "-inf" -----------------------------

@@ -103,15 +103,20 @@ class Sampler:
 
 
 def _strided_index(n: int, k: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
-    # Plain ints: under torch.compile the sizes may be symbolic, and ``math.gcd`` on them is
-    # a graph break; ``int()`` specialises them instead (the index is per shape anyway).
-    n = int(n)
-    period = int(math.prod(shape[-2:])) if len(shape) >= 2 else 1
+    period = math.prod(shape[-2:]) if len(shape) >= 2 else 1
     stride = max(n // k, 1)
-    while math.gcd(stride, period) != 1:
+    while _gcd(stride, period) != 1:
         stride += 1
     count = min(k, (n - 1) // stride + 1)
     return torch.arange(count, device=device) * stride
+
+
+def _gcd(a: int, b: int) -> int:
+    """``math.gcd``, which ``torch.compile`` cannot trace on symbolic sizes (a graph break
+    at every hook); Euclid's loop specialises them instead (the index is per shape anyway)."""
+    while b:
+        a, b = b, a % b
+    return a
 
 
 @torch.no_grad()

@@ -51,7 +51,9 @@ def watch(
     stream: TextIO | None = None,
     interval: float = 10.0,
 ) -> int:
-    """Run ``command`` with every model its optimizers step monitored; return its exit status.
+    """Run ``command`` with every model its optimizers step monitored (and every model it
+    trains by hand, without ``torch.optim``: a step per forward and backward); return its
+    exit status.
 
     Logs go to ``out`` (the first model) and ``out/<ModelClass>/`` (any further one), each with
     its ``report.html``. ``stream`` receives the progress lines (default: stderr), the step
@@ -247,7 +249,8 @@ class _Progress:
             self.say(
                 "nothing to report: no model was watched. hookscope watches the models whose "
                 "parameters a torch.optim optimizer steps in the Python processes of the "
-                "command; a 'hookscope watch:' line above says why, if one was found"
+                "command, or that receive gradients from its backward() with no optimizer "
+                "(trained by hand); a 'hookscope watch:' line above says why, if one was found"
             )
             return
         from ._report import report

@@ -20,6 +20,20 @@ Monitor's own (so the update has been measured). A model stepped by several opti
 one step per round, once every optimizer that steps it has stepped (the round is the
 optimizers alive at the model's first step that own its parameters); one that steps again
 before the round is complete ends the round early and the round shrinks to what really steps.
+A ``GradScaler.step(optimizer)`` that skipped the optimizer's step (Inf/NaN gradients) counts
+as that optimizer's step: the training step is over, without an update.
+
+Models trained without ``torch.optim`` (plain SGD by hand, ``p.data.add_(p.grad, alpha=-lr)``,
+as PyTorch's word-language-model example does): the start-up hook also calls
+:meth:`Agent.first_backward` after the first ``backward()`` of the process. The top-level
+models whose parameters then hold gradients and that no optimizer owns get a Monitor. For
+them each forward + backward is a step: a step ends at the model's next forward that follows a
+backward (and at exit). Their step 0 is the step whose backward found them, seen from its
+end (its gradients, the loss that backward started from; not its forward). The script's own
+update comes right after the backward (and its clipping), unseen: the non-finite check runs at
+the end of each backward instead, while the weights are still those that made the NaN, so
+that a replay can name its op; ``--on-nonfinite skip`` cannot skip such an update (a NaN is
+logged, not skipped).
 
 Signals: SIGTERM ends the process by SIGTERM (the exit status launchers expect), after the
 logs are closed by a thread of their own, waited for at most ``_CLOSE_WITHIN`` seconds: the
@@ -29,7 +43,9 @@ logs are closed at exit. The JSON-lines log is flushed record by record, so what
 cuts short is at most the record being written.
 
 The loss and the gradients before clipping are the Monitor's own business (it hears every
-``backward()`` and ``clip_grad_norm_``): the agent only ends steps.
+``backward()`` and ``clip_grad_norm_``): the agent only ends steps. It hears the same calls
+(``_monitor/_calls.py``) for the skipped scaler steps and the backward passes of the models
+trained by hand.
 """
 
 from __future__ import annotations
@@ -54,8 +70,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ._errors import NonFiniteError
-from ._hooks import HookSet, unwrap_parallel
+from ._hooks import HookSet, uncompiled
 from ._monitor import Monitor
+from ._monitor._calls import listen, loss_of
+from ._monitor._optim import unwrap
 
 __all__ = ["ENV", "Agent", "Settings"]
 
@@ -95,6 +113,10 @@ class _Watched:
     stepped: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # since its last step()
     skip_post: bool = False
     broken: bool = False
+    # Trained by hand (no optimizer steps it): steps end at its forwards, after a backward.
+    manual: bool = False
+    backward: bool = False  # a backward ran since its last step ended
+    first_loss: torch.Tensor | None = None  # the loss of the backward that found it (step 0)
 
 
 @dataclass(eq=False)
@@ -122,6 +144,8 @@ class Agent:
         self._closer: _Closer | None = None
         self._signalled = False
         self._off = False
+        self._stop_listening: Callable[[], None] | None = None
+        self._busy = False  # in a Monitor's check or step(): its replays are no training
 
     @classmethod
     def from_env(cls, text: str) -> Agent:
@@ -150,10 +174,7 @@ class Agent:
         """From the start-up hook's global pre-hook, before every ``optimizer.step()``."""
         if self._off or os.getpid() != self._pid:  # a fork of the training process
             return
-        for w in self.watched:
-            if opt in w.stepped:  # it steps again before the round was complete
-                w.optimizers = weakref.WeakSet(w.stepped)
-                self._end_step(w)
+        self._steps_again(opt)
         self._join_rounds(opt)
         if opt in self._seen:
             return
@@ -164,15 +185,42 @@ class Agent:
         except Exception as exc:  # never break the user's training
             self._fail(f"cannot find the model stepped by {type(opt).__name__}", exc)
 
+    def scaler_skipped(self, optimizer: Any) -> None:
+        """From ``_calls.py``: ``GradScaler.step(optimizer)`` skipped the optimizer's step
+        (Inf/NaN gradients), so no step hook ran; for the round it stepped all the same."""
+        if self._off or os.getpid() != self._pid:
+            return
+        try:
+            opt = unwrap(optimizer)
+            self._steps_again(opt)
+            self._join_rounds(opt)
+            for w in self.watched:
+                if not w.broken and opt in w.optimizers:
+                    self._stepped(w, opt)
+        except NonFiniteError:
+            raise
+        except Exception as exc:  # never break the user's training
+            self._fail("cannot end the step GradScaler skipped", exc)
+
+    def _steps_again(self, opt: torch.optim.Optimizer) -> None:
+        """``opt`` steps a model again before its round was complete: the round ends early
+        and shrinks to the optimizers that really step."""
+        for w in self.watched:
+            if opt in w.stepped:
+                w.optimizers = weakref.WeakSet(w.stepped)
+                self._end_step(w)
+
     def _join_rounds(self, opt: torch.optim.Optimizer) -> None:
         """At a model's first step, its round: every known optimizer owning its parameters;
-        later, an optimizer that starts stepping it joins the round."""
+        later, an optimizer that starts stepping it joins the round (and a model trained by
+        hand so far is trained by it now)."""
         for w in self.watched:
             if opt in w.checked:
                 continue
             w.checked.add(opt)
             if not _owns(opt, w.params):
                 continue
+            w.manual = False
             if len(w.optimizers):
                 w.optimizers.add(opt)
             else:
@@ -222,6 +270,8 @@ class Agent:
         w = _Watched(model, monitor, log_dir, {id(p) for p in model.parameters()})
         self.watched.append(w)
         self._hooks.optimizer_step_post_global(functools.partial(self._after_step, w, once))
+        if self._stop_listening is None:  # after the first Monitor's: it finds the loss first
+            self._stop_listening = listen(self)
         return w
 
     def _watch_late(self, model: nn.Module, pending: _Pending, opt: torch.optim.Optimizer) -> None:
@@ -268,19 +318,91 @@ class Agent:
         if w.skip_post:  # the step during which the Monitor was attached: it is logged
             w.skip_post = False
             return
+        self._stepped(w, opt)
+
+    def _stepped(self, w: _Watched, opt: torch.optim.Optimizer) -> None:
         w.stepped.add(opt)
         if all(o in w.stepped for o in w.optimizers):
             self._end_step(w)
 
     def _end_step(self, w: _Watched) -> None:
         w.stepped = weakref.WeakSet()
+        w.backward = False
+        self._busy = True
         try:
-            w.monitor.step()
+            w.monitor.step(**_first_loss(w))
         except NonFiniteError:
             raise  # on_nonfinite="raise": the script stops here, as asked
         except Exception as exc:
             w.broken = True
             self._fail(f"stopped watching {type(w.model).__name__}", exc)
+        finally:
+            self._busy = False
+
+    # -- models trained by hand: every backward ---------------------------------------------
+    def first_backward(self, roots: Any) -> None:
+        """From the start-up hook, after the first ``backward()`` of the process (``roots``:
+        the tensors it started from): watch the models trained without an optimizer."""
+        if self._off or os.getpid() != self._pid:
+            return
+        try:
+            for model in _trained_by_hand():
+                if any(w.model is model for w in self.watched):
+                    continue
+                w = self._watch(model)
+                if w is None:
+                    continue
+                w.manual, w.backward, w.first_loss = True, True, loss_of(roots)
+                self._hooks.forward_pre(model, functools.partial(self._forward, w), prepend=True)
+                self._check(w)
+        except NonFiniteError:
+            raise
+        except Exception as exc:  # never break the user's training
+            self._fail("cannot find the model trained without an optimizer", exc)
+
+    def _forward(self, w: _Watched, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """A forward of a model trained by hand: the first after a backward begins a step.
+        (Registered first: the step ends before the Monitor's tape keeps this call.)"""
+        if w.manual and w.backward and not w.broken and not self._busy and not self._off:
+            self._end_step(w)
+
+    def before_backward(self) -> None:
+        return None
+
+    def after_backward(self, token: None, loss: torch.Tensor | None) -> None:
+        """Every backward: the models trained by hand have a step to end at their next
+        forward, and are checked for NaN/Inf now, before the script updates them."""
+        if self._off or self._busy or os.getpid() != self._pid:
+            return
+        for w in self.watched:
+            if w.manual and not w.broken:
+                w.backward = True
+                self._check(w)
+
+    def before_clip(self, params: list[torch.Tensor]) -> None:
+        return None
+
+    def clipped(self, params: list[torch.Tensor], total_norm: torch.Tensor, p: float) -> None:
+        return None
+
+    def _check(self, w: _Watched) -> None:
+        """The non-finite check of a model trained by hand, now that its gradients are
+        final and before the script's own update: the one the Monitor runs before an
+        optimizer's update. (At ``step()``, the weights would already hold the NaN and a
+        replay could not find the op that made it.) Nothing to skip: not with ``skip``."""
+        if self.settings.on_nonfinite == "skip":
+            return
+        self._busy = True
+        try:
+            w.monitor.read_gradients()
+            w.monitor._check_before_update(None, [])  # type: ignore[arg-type]
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            w.broken = True
+            self._fail(f"stopped watching {type(w.model).__name__}", exc)
+        finally:
+            self._busy = False
 
     # -- the end ----------------------------------------------------------------------------
     def _install_exit_handlers(self) -> None:
@@ -319,12 +441,14 @@ class Agent:
             return
         self._off = True
         self._hooks.remove()
+        if self._stop_listening is not None:
+            self._stop_listening()
         # Under several ranks, a step at exit could meet another rank's unrelated collective.
         finish = finish and not (dist.is_available() and dist.is_initialized())
         for w in self.watched:
             try:
-                if finish and len(w.stepped) and not w.broken:
-                    w.monitor.step()
+                if finish and (len(w.stepped) or w.backward) and not w.broken:
+                    w.monitor.step(**_first_loss(w))
             except Exception:
                 pass  # the log keeps every step already ended
             finally:
@@ -360,6 +484,13 @@ class _Closer:
         select.select([self._done_r], [], [], seconds)
 
 
+def _first_loss(w: _Watched) -> dict[str, torch.Tensor]:
+    """Step 0 of a model trained by hand began before its Monitor: the loss of the backward
+    that found it, handed to ``step()`` once (later ones the Monitor finds itself)."""
+    loss, w.first_loss = w.first_loss, None
+    return {} if loss is None else {"loss": loss}
+
+
 def _die(signum: int) -> None:
     """End this process by ``signum``, as if nothing had caught it (status -N, 128 + N)."""
     signal.signal(signum, signal.SIG_DFL)
@@ -380,6 +511,26 @@ def _scan(opt: torch.optim.Optimizer) -> tuple[list[nn.Module], list[Any]]:
     """The models owning ``opt``'s parameters (top-level modules; wrappers and containers
     looked through), and every optimizer."""
     stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+    modules, optimizers = _objects()
+    return _models(modules, stepped), optimizers
+
+
+def _trained_by_hand() -> list[nn.Module]:
+    """The models whose parameters hold gradients and that no optimizer owns, not even in
+    part (one made before the start-up hook is found at its first step)."""
+    modules, optimizers = _objects()
+    owned = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    grads = {
+        id(p)
+        for m in modules
+        for p in vars(m).get("_parameters", {}).values()
+        if p is not None and p.grad is not None and id(p) not in owned
+    }
+    return [m for m in _models(modules, grads) if not _params(m) & owned]
+
+
+def _objects() -> tuple[list[nn.Module], list[Any]]:
+    """Every module and every optimizer of the process (one scan of the collector's)."""
     modules, optimizers = [], []
     for obj in gc.get_objects():
         kind = type(obj)  # never isinstance(): torch's deprecated proxies warn on __class__
@@ -387,14 +538,19 @@ def _scan(opt: torch.optim.Optimizer) -> tuple[list[nn.Module], list[Any]]:
             modules.append(obj)
         elif issubclass(kind, torch.optim.Optimizer):
             optimizers.append(obj)
+    return modules, optimizers
+
+
+def _models(modules: list[nn.Module], params: set[int]) -> list[nn.Module]:
+    """The top-level models holding any of ``params``."""
     children = {id(c) for m in modules for c in _children(m)}
     tops = [m for m in modules if id(m) not in children]
     models: list[nn.Module] = []
     for top in tops:
-        for model in _models_in(top, stepped):
+        for model in _models_in(top, params):
             if all(model is not m for m in models):
                 models.append(model)
-    return models, optimizers
+    return models
 
 
 def _children(module: nn.Module) -> list[nn.Module]:
@@ -412,7 +568,7 @@ def _params(module: nn.Module) -> set[int]:
 def _models_in(module: nn.Module, stepped: set[int]) -> list[nn.Module]:
     if not _params(module) & stepped:
         return []
-    inner = unwrap_parallel(module)
+    inner = uncompiled(module)  # DDP, torch.compile's wrapper: the model inside
     if inner is not module:
         return _models_in(inner, stepped)
     if issubclass(type(module), _CONTAINERS):

@@ -8,12 +8,15 @@ does three small things:
 
 1. If ``HOOKSCOPE_WATCH`` is set, a finder on ``sys.meta_path`` waits for ``torch`` to be
    imported, then wraps ``torch.optim.Optimizer.__init__`` (once, chained: subclasses and
-   optimizers wrapping others pass through it too) and registers one global optimizer step
-   pre-hook, two trampolines. The first optimizer created in the process imports
+   optimizers wrapping others pass through it too) and ``torch.autograd.backward``
+   (``Tensor.backward`` calls it), and registers one global optimizer step pre-hook: three
+   trampolines. The first optimizer created in the process imports
    ``hookscope._watch_agent``, which finds the model and attaches a Monitor before the
    model's first forward; the step hook ends each step, and finds the models of optimizers
-   created before the wrapper was in place. A process that never creates an optimizer never
-   imports hookscope, prints nothing and writes nothing.
+   created before the wrapper was in place. The first ``backward()`` of the process imports
+   it too, to find the models trained without an optimizer (plain SGD by hand); later ones
+   pass straight through. A process that never creates an optimizer nor runs a backward
+   pass never imports hookscope, prints nothing and writes nothing.
 2. It imports the ``sitecustomize`` it shadows (the user's, or the system's), as
    ``ddtrace-run`` does: our directory leaves ``sys.path`` for that import only.
 3. Its directory stays on ``PYTHONPATH``, so ``torchrun`` and ``spawn`` workers run it too.
@@ -27,6 +30,7 @@ import sys
 
 _ENV = "HOOKSCOPE_WATCH"
 _agent = None  # hookscope._watch_agent.Agent, once an optimizer was made in this process
+_backward_seen = False  # the process's first backward() was handed to the agent
 _broken = False  # hookscope could not be imported here: say so once, then stay out of the way
 
 
@@ -70,6 +74,7 @@ def _install():
         return
     _wrap_init(Optimizer)
     register_optimizer_step_pre_hook(_on_step)
+    _wrap_backward()
 
 
 def _wrap_init(cls):
@@ -92,6 +97,33 @@ def _wrap_init(cls):
     __init__.__wrapped__ = init  # inspect.signature() reads the original's
     __init__._hookscope_watch = True
     cls.__init__ = __init__
+
+
+def _wrap_backward():
+    """``torch.autograd.backward`` that hands the process's first backward pass, once it
+    has run (the gradients are there), to the agent; every later call passes straight
+    through. Hookscope's own wrapper of it (``_monitor/_calls.py``) wraps this one."""
+    import torch.autograd
+
+    original = torch.autograd.backward
+    if getattr(original, "_hookscope_watch", False):
+        return
+
+    def backward(tensors, *args, **kwargs):
+        global _backward_seen
+        result = original(tensors, *args, **kwargs)
+        if not _backward_seen:
+            _backward_seen = True
+            agent = _get_agent()
+            if agent is not None:
+                agent.first_backward(tensors)
+        return result
+
+    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(backward, name, getattr(original, name, None))
+    backward.__wrapped__ = original
+    backward._hookscope_watch = True
+    torch.autograd.backward = backward
 
 
 def _on_step(optimizer, args, kwargs):

@@ -15,6 +15,7 @@ import functools
 import inspect
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -26,8 +27,8 @@ from torch import nn
 from torch.linalg import vector_norm
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds, mark_cleared
-from .._errors import HookscopeError, NonFiniteError, did_you_mean
-from .._hooks import HookSet, check_not_compiled, in_backward_recompute, unwrap_parallel
+from .._errors import HookscopeError, HookscopeWarning, NonFiniteError, did_you_mean
+from .._hooks import HookSet, eager_model, in_backward_recompute
 from .._log import LOG_NAME, Cleared, Event, Header, StepRecord
 from .._select import Where, select
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
@@ -42,6 +43,7 @@ from ._nonfinite import PASS_THROUGH, NonFiniteTrail
 from ._optim import OptimizerWatch
 from ._poisoned import PoisonedWeights
 from ._probes import Activations, BatchNorms, OutputGrads, Params
+from ._signals import SpikeWatch
 from ._trace import Tape, replay, trace
 
 __all__ = ["Monitor"]
@@ -168,8 +170,9 @@ class Monitor:
             )
         self.thresholds = _thresholds(thresholds, threshold_overrides)
         sampler = Sampler(sample)
-        model = unwrap_parallel(model)  # DDP: name modules as the model it wraps (no "module.")
-        check_not_compiled(model, "Monitor")
+        # DDP, torch.compile: name modules as the model they wrap (no "module.", "_orig_mod.");
+        # a model compiled already is traced again, with a warning.
+        model = eager_model(model, "Monitor")
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if distributed else None
         self._coll = Collective() if distributed and sync is not False else None
@@ -193,6 +196,7 @@ class Monitor:
         self._grads = OutputGrads(sampler, self.modules, world=self._world)
         self._params = Params(model, sampler)
         self._poison = PoisonedWeights(self._params.params)
+        self._spikes = SpikeWatch(list(self._params.params), self.thresholds)
         sharded = any(v is not None for v in self._params.sharded.values())
         if sharded and record_dir is not None:
             raise ValueError(
@@ -231,6 +235,9 @@ class Monitor:
         self._sinks: list[Sink] = [self._memory, *sinks]
         self._running: list[tuple[torch.Tensor, torch.Tensor]] = []  # BN stats, for "skip"
         self._grad_calls = 0  # output gradients seen: did a backward pass reach the model?
+        # This step: did any hook on the model run, did a backward pass run? (A compiled graph
+        # from before the hooks runs the model without them.) Warned once.
+        self._hooks_ran = self._backward_ran = self._warned_unhooked = False
         self._loss: torch.Tensor | None = None  # this step's backpropagated loss
         self._clip_norms: list[tuple[torch.Tensor, float]] = []  # clip_grad_norm_'s, pre-clip
         self._listener = _Calls(self)
@@ -347,6 +354,7 @@ class Monitor:
     ) -> None:
         if self._tape.paused and not self._flagging:  # a replay under the op tracer
             return
+        self._hooks_ran = True
         if self._light and not self._sampled_now and self._tape.recording:
             return  # the edges' flags and a replay stand for this call's
         outs = [t for t in tensors(output) if t.is_floating_point()]
@@ -395,6 +403,7 @@ class Monitor:
     def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """What a container returns: a watched module's output that no container returns,
         feeds nothing that one does, and gets no gradient, was detached or thrown away."""
+        self._hooks_ran = True
         if self.sampled and torch.is_grad_enabled() and not self._tape.paused:
             self._returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)
 
@@ -413,7 +422,10 @@ class Monitor:
     def _read_grads(self, optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
         if self.sampled:
             self._params.read_grads(self._buf, names, stepped=optimizer is not None)
+        first = len(self._trail.flags)
         self._trail.parameters(self._buf, self._params.params, names)
+        flags = self._trail.flags[first:]  # their L1 norms feed the rolling window too
+        self._spikes.flags(first, len(self._trail.flags), [f.param for f in flags])
 
     def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
         """The non-finite check, before the optimizer changes anything. True: skip it."""
@@ -529,6 +541,12 @@ class Monitor:
             )
             found += self._diagnosis.sampled(step, record, self.graph)
         self._write(record.to_dict())
+        if sampled:
+            self._warn_if_unhooked(step)
+        spike = self._spikes.observe(step, record.scalars, host)
+        if spike is not None:
+            self._write(asdict(spike.window))
+            found.append(spike.finding)
         found += self._checks.read(host, record)  # after the step: its eval record follows
         new = self._report(found, before_update=self._updates == 0)
         for done in self._diagnosis.cleared():
@@ -547,6 +565,29 @@ class Monitor:
         if self.on_nonfinite == "raise" and nonfinite is not None and nonfinite in new:
             raise self._error(nonfinite)
         return early + new
+
+    def _warn_if_unhooked(self, step: int) -> None:
+        """Never silent: a step that ran a backward pass and updated the model, while none of
+        the Monitor's hooks on its modules ran, has no activation or output-gradient records
+        and no non-finite check of them; say so once, with the likely cause."""
+        if self._hooks_ran or not self._backward_ran or not self._updates:
+            return
+        if self._warned_unhooked:
+            return
+        self._warned_unhooked = True
+        warnings.warn(
+            f"hookscope: Monitor: at step {step}, {type(self._model).__name__} was trained "
+            "(a backward pass and an optimizer step) but none of the Monitor's hooks on its "
+            "modules ran: no activation or output-gradient statistics, and no NaN/Inf check "
+            "of them. The likely cause: a graph that torch.compile built before the Monitor "
+            "was attached runs the model without its hooks (a compiled function that calls "
+            "the model, say). Fix: attach the Monitor before the first compiled call, or call "
+            "torch._dynamo.reset() after attaching it (everything compiles again once). "
+            "Or the model is run through `.forward(...)`, which skips every hook: call the "
+            "model itself.",
+            HookscopeWarning,
+            stacklevel=3,
+        )
 
     def _found_scalars(self) -> dict[str, torch.Tensor]:
         """The step's loss (the sum of the scalars its backward passes started from) and,
@@ -734,6 +775,7 @@ class Monitor:
         self._nonfinite = None
         self._early = []
         self._loss, self._clip_norms = None, []
+        self._hooks_ran = self._backward_ran = False
         self.step_count += 1
         self._sampled_now = self.sampled
 
@@ -845,6 +887,8 @@ class _Calls:
         # No gradient on any parameter: a new accumulation starts (zero_grad ran), and the
         # losses backpropagated before it (a GAN's other phase) are not this step's.
         fresh = all(p.grad is None for p in m._params.params.values())
+        if not m._tape.paused:
+            m._backward_ran = True
         if m._checks is not None and not m._tape.paused:
             m._checks.before_backward()
         return m._grad_calls, fresh

@@ -30,7 +30,7 @@ import torch.nn.utils.clip_grad
 from torch.amp import grad_scaler
 from torch.optim import optimizer as _optimizer
 
-__all__ = ["Listener", "listen"]
+__all__ = ["Listener", "listen", "loss_of"]
 
 # The attribute a scaled loss carries: the loss before ``GradScaler.scale``.
 _UNSCALED = "_hookscope_unscaled"
@@ -91,7 +91,7 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(tensors, *args, **kwargs)
         tokens = [listener.before_backward() for listener in listeners]
         result = original(tensors, *args, **kwargs)
-        loss = _loss_of(tensors)
+        loss = loss_of(tensors)
         for listener, token in zip(listeners, tokens, strict=True):
             listener.after_backward(token, loss)
         return result
@@ -152,7 +152,7 @@ def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     _steps[0] += 1
 
 
-def _loss_of(tensors: Any) -> torch.Tensor | None:
+def loss_of(tensors: Any) -> torch.Tensor | None:
     """The sum of the scalar floating roots of a backward pass, before any GradScaler."""
     roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     scalars = [

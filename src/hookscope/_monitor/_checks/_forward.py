@@ -130,7 +130,9 @@ class EvalMismatch:
         for name, module in ctx.modules.items():
             ctx.hooks.forward(module, functools.partial(self._on_forward, name))
 
-    def _on_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+    def _on_forward(
+        self, name: str, module: nn.Module, args: tuple, kwargs: dict, out: object
+    ) -> None:
         if self.ctx.model.training or self.ctx.paused():
             return
         calls = self._calls.get(name, 0)
@@ -141,8 +143,10 @@ class EvalMismatch:
         x = self.ctx.sampler(first.detach()).float()
         sums = torch.stack([x.square().sum(), x.new_tensor(float(x.numel())), x.abs().max()])
         old = self._pending.get(name)
-        self._pending[name] = sums if old is None else torch.cat(
-            [old[:2] + sums[:2], torch.maximum(old[2:], sums[2:])]
+        self._pending[name] = (
+            sums
+            if old is None
+            else torch.cat([old[:2] + sums[:2], torch.maximum(old[2:], sums[2:])])
         )
 
     def collect(self, buf: StepBuffer, sampled: bool) -> None:
@@ -234,7 +238,9 @@ class AutocastSkipped:
             if _linear_like(module):
                 ctx.hooks.forward(module, functools.partial(self._on_forward, name))
 
-    def _on_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+    def _on_forward(
+        self, name: str, module: nn.Module, args: tuple, kwargs: dict, out: object
+    ) -> None:
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return
         device = out.device.type

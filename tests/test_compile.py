@@ -1,0 +1,303 @@
+"""hookscope on compiled models: attached before or after ``torch.compile``, never silent.
+
+Compiled with the ``aot_eager`` backend: TorchDynamo traces the hooks and AOTAutograd builds
+the graphs exactly as with the default backend, without Inductor's C++ build (a cold
+Inductor compile takes some 20 s on a CPU here).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from models import gpt2, token_ids
+from torch import nn
+from torch._dynamo.utils import counters
+
+import hookscope as hs
+from hookscope._hooks import in_backward_recompute
+from hookscope._stats import Sampler
+
+BACKEND = "aot_eager"
+RESET = "torch._dynamo.reset()"
+
+pytestmark = [
+    # Dynamo hides an internal ".grad of a non-leaf" warning by swapping warnings.showwarning,
+    # which an "error" filter (ours, in pyproject) bypasses: torch's quirk, not ours.
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor:UserWarning"),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    """Each test starts and ends with nothing compiled in the process."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class CNN(nn.Module):
+    """Conv-BatchNorm-ReLU blocks, pooled, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            *(
+                nn.Sequential(nn.Conv2d(cin, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                for cin in (3, 8)
+            )
+        )
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def images(step: int) -> torch.Tensor:
+    return torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step))
+
+
+def cnn_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def tiny_gpt2() -> nn.Module:
+    """The tests' GPT-2, training, without dropout (compiled and eager RNGs differ)."""
+    return gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
+
+
+def gpt2_ids(step: int) -> torch.Tensor:
+    torch.manual_seed(step)
+    return token_ids()
+
+
+def gpt2_loss(out: Any) -> torch.Tensor:
+    return out.logits.float().square().mean()  # outside the model: labels= warns in HF
+
+
+def train(
+    mon: hs.Monitor,
+    call: Callable[[Any], Any],
+    params: nn.Module,
+    data: Callable[[int], Any],
+    loss_of: Callable[[Any], torch.Tensor],
+    steps: int = 2,
+) -> list[dict[str, Any]]:
+    """``steps`` SGD steps through ``call``; the Monitor's step records."""
+    opt = torch.optim.SGD(params.parameters(), lr=1e-2)
+    for step in range(steps):
+        loss_of(call(data(step))).backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step()
+    return [r for r in mon.records if r["type"] == "step"]
+
+
+def hookscope_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, hs.HookscopeWarning)]
+
+
+def numbers(record: dict[str, Any], kinds: tuple[str, ...]) -> dict[tuple[str, ...], float]:
+    """Every number of ``record``'s ``kinds`` sections, by (kind, module, statistic)."""
+    found = {}
+    for kind in kinds:
+        for module, stats in record.get(kind, {}).items():
+            for stat, value in stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    found[kind, module, stat] = float(value)
+    return found
+
+
+def assert_close(compiled: dict[tuple, float], eager: dict[tuple, float]) -> None:
+    """Every statistic eager logs, the compiled run logs too, equal at rtol 1e-4 (means,
+    which sum to nearly zero, also within 1e-6 absolute)."""
+    assert eager and set(eager) <= set(compiled), sorted(set(eager) - set(compiled))[:5]
+    off = {
+        key: (compiled[key], value)
+        for key, value in eager.items()
+        if not math.isclose(compiled[key], value, rel_tol=1e-4, abs_tol=1e-6)
+    }
+    assert off == {}
+
+
+# -- attached before compiling: the graph has the hooks, the numbers are eager's --------------
+
+
+@pytest.mark.parametrize(
+    "make, data, loss_of",
+    [(CNN, images, cnn_loss), (tiny_gpt2, gpt2_ids, gpt2_loss)],
+    ids=["cnn", "gpt2"],
+)
+def test_a_monitor_attached_before_compiling_logs_what_eager_logs(
+    make: Callable[[], nn.Module], data: Callable, loss_of: Callable
+) -> None:
+    torch.manual_seed(0)
+    eager_model = make()
+    model = make()
+    model.load_state_dict(eager_model.state_dict())
+    with hs.Monitor(eager_model, every=1, sample=None) as mon:
+        eager = train(mon, eager_model, eager_model, data, loss_of)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hs.Monitor(model, every=1, sample=None) as mon:
+            compiled = train(mon, torch.compile(model, backend=BACKEND), model, data, loss_of)
+    assert hookscope_warnings(caught) == []
+    for got, want in zip(compiled, eager, strict=True):
+        assert_close(numbers(got, ("act", "grad", "param")), numbers(want, ("act", "grad", "param")))
+    # hookscope's own cheap breaks are gone: the graph task id and math.gcd in the Sampler
+    reasons = " ".join(counters["graph_break"])
+    assert "_current_graph_task_id" not in reasons and "gcd" not in reasons
+
+
+# -- attached after compiling: watched, at the cost of one recompile -------------------------
+
+
+def test_a_monitor_on_a_compiled_wrapper_not_run_yet_needs_no_recompile() -> None:
+    model = CNN()
+    compiled = torch.compile(model, backend=BACKEND)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hs.Monitor(compiled, every=1) as mon:
+            steps = train(mon, compiled, model, images, cnn_loss)
+    assert hookscope_warnings(caught) == []  # nothing was compiled without the hooks
+    assert set(mon.modules) == {n for n, m in model.named_modules() if not list(m.children())}
+    assert all(sorted(s["act"]) == sorted(mon.modules) for s in steps)
+    assert all(sorted(s["grad"]) == sorted(mon.modules) for s in steps)
+
+
+@pytest.mark.parametrize("how", ["wrapper", "in place"])
+def test_a_monitor_attached_after_the_compiled_model_ran_recompiles_once_and_says_so(
+    how: str,
+) -> None:
+    model = CNN()
+    if how == "wrapper":
+        call: nn.Module = torch.compile(model, backend=BACKEND)
+    else:
+        model.compile(backend=BACKEND)
+        call = model
+    cnn_loss(call(images(99))).backward()
+    with pytest.warns(hs.HookscopeWarning, match=r"torch\._dynamo\.reset\(\).*one recompile"):
+        mon = hs.Monitor(call, every=1)
+    with mon, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps = train(mon, call, model, images, cnn_loss)
+    assert hookscope_warnings(caught) == []  # once, when attaching
+    assert "_orig_mod" not in " ".join(mon.modules)  # named as the eager model
+    assert all(sorted(s["act"]) == sorted(mon.modules) for s in steps)
+    assert all(s["grad"]["head"]["norm"] > 0 for s in steps)
+
+
+def test_an_earlier_instance_of_the_class_compiled_is_not_reused_without_the_hooks() -> None:
+    other = CNN()
+    torch.compile(other, backend=BACKEND)(images(99))
+    model = CNN()
+    with pytest.warns(hs.HookscopeWarning, match="CNN"):
+        mon = hs.Monitor(model, every=1)
+    with mon:
+        steps = train(mon, torch.compile(model, backend=BACKEND), model, images, cnn_loss)
+    assert all(sorted(s["act"]) == sorted(mon.modules) for s in steps)
+
+
+def test_gpt2_compiled_and_run_then_watched_logs_every_block() -> None:
+    model = tiny_gpt2()
+    compiled = torch.compile(model, backend=BACKEND)
+    gpt2_loss(compiled(gpt2_ids(99))).backward()
+    with pytest.warns(hs.HookscopeWarning, match=RESET.replace("(", r"\(").replace(")", r"\)")):
+        mon = hs.Monitor(compiled, every=1)
+    with mon:
+        steps = train(mon, compiled, model, gpt2_ids, gpt2_loss)
+    for s in steps:
+        assert {"transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn", "lm_head"} <= set(
+            s["act"]
+        )
+
+
+# -- never silent ------------------------------------------------------------------------------
+
+
+def test_a_compiled_function_that_runs_the_model_without_the_hooks_is_a_warning() -> None:
+    model = CNN()
+    forward = torch.compile(lambda x: model(x), backend=BACKEND)  # not the model's own code
+    forward(images(99))
+    with hs.Monitor(model, every=1) as mon:
+        with pytest.warns(hs.HookscopeWarning, match="none of the Monitor's hooks") as caught:
+            steps = train(mon, forward, model, images, cnn_loss, steps=3)
+    assert len(hookscope_warnings(caught.list)) == 1
+    assert all(s["act"] == {} and s["param"] for s in steps)  # what the warning is about
+
+
+def test_an_eager_step_with_activations_does_not_warn() -> None:
+    model = CNN()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hs.Monitor(model, every=1) as mon:
+            steps = train(mon, model, model, images, cnn_loss)
+    assert all(s["act"] for s in steps)
+
+
+# -- capture, intervene, extract on a compiled model -------------------------------------------
+
+
+def test_capture_on_a_compiled_model_that_ran_records_its_outputs() -> None:
+    model = CNN().eval()
+    compiled = torch.compile(model, backend=BACKEND)
+    x = images(0)
+    compiled(x)
+    with pytest.warns(hs.HookscopeWarning, match="capture"):
+        cap = hs.capture(compiled, ["head", "features.0.2"], what=("output", "grad_output"))
+    with cap:
+        compiled(x).sum().backward()
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(cap["head"].output, want, rtol=1e-4, atol=1e-6)
+    assert cap["features.0.2"].output.shape == (4, 8, 8, 8)
+    assert cap["head"].grad_output[0].shape == (4, 10)
+
+
+def test_intervene_on_a_compiled_model_that_ran_edits_its_output_then_stops() -> None:
+    model = CNN().eval()
+    compiled = torch.compile(model, backend=BACKEND)
+    x = images(0)
+    before = compiled(x)
+    with pytest.warns(hs.HookscopeWarning, match="intervene"):
+        edit = hs.intervene(compiled, {"head": lambda out, site: out * 0})
+    with edit:
+        assert torch.equal(compiled(x), torch.zeros(4, 10))
+    torch.testing.assert_close(compiled(x), before)
+
+
+def test_extract_from_a_compiled_model_runs_it_eagerly_without_recompiling() -> None:
+    model = CNN().eval()
+    compiled = torch.compile(model, backend=BACKEND)
+    x = images(0)
+    compiled(x)
+    graphs = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.HookscopeWarning)
+        feats = hs.extract(compiled, x, where="features.0")
+    assert counters["stats"]["unique_graphs"] == graphs
+    with torch.no_grad():
+        torch.testing.assert_close(feats["features.0"], model.features[0](x))
+
+
+# -- the cheap graph breaks --------------------------------------------------------------------
+
+
+def test_the_checkpoint_test_and_the_sampler_trace_without_a_graph_break() -> None:
+    sampler = Sampler(16)
+
+    def hook_body(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        return sampler(y).sum() + (0.0 if in_backward_recompute() else 1.0)
+
+    compiled = torch.compile(hook_body, backend=BACKEND, dynamic=True)
+    for shape in [(6, 7, 5), (9, 7, 5)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(compiled(x), hook_body(x))
+    assert dict(counters["graph_break"]) == {}

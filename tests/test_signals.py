@@ -1,0 +1,157 @@
+"""Large-model training signals: the rolling window and ``loss_spike`` on real training runs."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+from hookscope._diagnose import Thresholds
+from hookscope._log import Window
+from hookscope._monitor._signals import MAD_TO_STD, Rolling, group_of
+
+DOC = (Path(__file__).parents[1] / "docs" / "log-format.md").read_text()
+AT = 40  # the step a fault is injected at
+
+
+def test_parameters_group_by_block_else_by_module() -> None:
+    assert group_of("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
+    assert group_of("encoder.layers.0.mlp.0.weight") == "encoder.layers.0"
+    assert group_of("transformer.wte.weight") == "transformer.wte"
+    assert group_of("0.bias") == "0"
+    assert group_of("cls_token") == ""
+
+
+def test_the_rolling_range_is_median_plus_k_scaled_mads() -> None:
+    g = torch.Generator().manual_seed(0)
+    history = (torch.randn(50, generator=g) * 0.3 + 2.0).tolist()
+    median = statistics.median(history)
+    mad = statistics.median([abs(v - median) for v in history])
+    allowed = 6.0 * MAD_TO_STD * mad
+    rule = Rolling(k=6.0, rel=0.0, min_history=20)
+    assert rule.score(history, median + 2 * allowed) == pytest.approx(2.0)
+    assert rule.score(history, median) == pytest.approx(0.0)
+    assert rule.score(history[:19], 100.0) is None  # too little history
+    assert Rolling(k=6.0, rel=1.0, min_history=20).score(history, 2 * median) == pytest.approx(1.0)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def train(model: nn.Module, mon: hs.Monitor, steps: int, fault=None) -> list[float]:
+    """SGD on a fixed linear target with fresh noisy batches; ``fault(step, phase)`` may change
+    the batch (``"batch"``) or the gradients before the update (``"grads"``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(64, 8, generator=g)
+        y = x @ w + 0.1 * torch.randn(64, 1, generator=g)
+        if fault is not None:
+            x = fault(step, "batch", x)
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        if fault is not None:
+            fault(step, "grads", model)
+        opt.step()
+        opt.zero_grad()
+        mon.step()
+        losses.append(loss.item())
+    return losses
+
+
+def spikes(mon: hs.Monitor) -> list[hs.Finding]:
+    return [f for f in mon.findings if f.kind == "loss_spike"]
+
+
+def test_a_healthy_run_raises_no_spike() -> None:
+    model = mlp()
+    with hs.Monitor(model, every=None) as mon:
+        train(model, mon, 150)
+    assert spikes(mon) == []
+    assert not [r for r in mon.records if r["type"] == "window"]
+
+
+def test_a_bad_batch_is_a_spike_with_its_window_in_the_log(tmp_path: Path) -> None:
+    def bad_batch(step, phase, x):
+        return x * 30 if phase == "batch" and step == AT else x
+
+    model = mlp()
+    with hs.Monitor(model, every=None, log_dir=tmp_path) as mon:
+        losses = train(model, mon, AT + 5, bad_batch)
+    assert losses[AT] > 10 * statistics.median(losses[AT - 10 : AT])  # plain torch saw it too
+    (spike,) = spikes(mon)
+    assert (spike.step, spike.value) == (AT, pytest.approx(losses[AT]))
+    records = hs.read_log(tmp_path)
+    (window,) = [r for r in records if r["type"] == "window"]
+    lead = Thresholds().spike_lead
+    assert window["step"] == AT and window["kind"] == "loss_spike"
+    assert window["steps"] == list(range(AT - lead, AT + 1))
+    assert window["scalars"]["loss"] == pytest.approx(losses[AT - lead : AT + 1])
+    assert set(window["groups"]) == {"0", "2", "4"}
+    # The group norms are the L1 norms of the gradients the optimizer applied (the last row).
+    assert all(len(v) == lead + 1 for v in window["groups"].values())
+
+
+def test_the_layer_whose_gradient_rose_first_is_named_with_its_lead() -> None:
+    def scaled_grads(step, phase, arg):
+        if phase == "grads" and step == AT:
+            for p in arg[2].parameters():
+                p.grad.mul_(300)
+        return arg
+
+    model = mlp()
+    with hs.Monitor(model, every=None) as mon:
+        losses = train(model, mon, AT + 5, scaled_grads)
+    assert losses[AT + 1] > 3 * statistics.median(losses[AT - 10 : AT])  # the update broke it
+    (spike,) = spikes(mon)
+    assert (spike.step, spike.module) == (AT + 1, "2")
+    assert "1 step before the loss (at step 40)" in spike.message
+
+
+def test_group_norms_are_the_l1_norms_of_the_gradients_before_the_update() -> None:
+    model = mlp()
+    seen = {}
+
+    def keep(step, phase, arg):
+        if phase == "grads" and step == AT:
+            seen.update({n: p.grad.abs().sum().item() for n, p in arg.named_parameters()})
+        if phase == "batch" and step == AT:
+            return arg * 30
+        return arg
+
+    with hs.Monitor(model, every=None) as mon:
+        train(model, mon, AT + 1, keep)
+    (window,) = [r for r in mon.records if r["type"] == "window"]
+    for group in ("0", "2", "4"):
+        expected = seen[f"{group}.weight"] + seen[f"{group}.bias"]
+        assert window["groups"][group][-1] == pytest.approx(expected, rel=1e-5)
+
+
+def test_record_on_loss_spike_writes_a_replay_bundle(tmp_path: Path) -> None:
+    def bad_batch(step, phase, x):
+        return x * 30 if phase == "batch" and step == AT else x
+
+    model = mlp()
+    with hs.Monitor(
+        model, every=None, record_dir=tmp_path, record_on=("loss_spike",)
+    ) as mon:
+        train(model, mon, AT + 2, bad_batch)
+    recorded = [r for r in mon.records if r["type"] == "event" and r["kind"] == "recorded"]
+    assert len(recorded) == 1 and "loss_spike" in recorded[0]["message"]
+    assert any(tmp_path.iterdir())
+
+
+def test_the_window_record_is_documented() -> None:
+    row = next(line for line in DOC.splitlines() if line.startswith("| `window` |"))
+    documented = set(re.findall(r"`(\w+)`", row.split("|")[3]))
+    assert {f.name for f in fields(Window)} - {"type"} <= documented
