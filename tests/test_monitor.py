@@ -364,6 +364,7 @@ def test_every_none_checks_nonfinite_only() -> None:
         for _ in range(3):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
+            opt.zero_grad()
             mon.step(loss=1.0)
         model.risky.eps = -1.0
         model(torch.randn(4, 8)).sum().backward()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import fields
@@ -28,17 +29,24 @@ def test_parameters_group_by_block_else_by_module() -> None:
     assert group_of("cls_token") == ""
 
 
-def test_the_rolling_range_is_median_plus_k_scaled_mads() -> None:
+def test_the_rolling_range_is_the_median_plus_k_noise_units_in_logs() -> None:
     g = torch.Generator().manual_seed(0)
-    history = (torch.randn(50, generator=g) * 0.3 + 2.0).tolist()
-    median = statistics.median(history)
-    mad = statistics.median([abs(v - median) for v in history])
-    allowed = 6.0 * MAD_TO_STD * mad
+    history = (torch.linspace(3.0, 2.0, 50) + torch.rand(50, generator=g) * 0.2).tolist()
+    logs = [math.log(v) for v in history]
+    median = statistics.median(logs)
+    changes = [b - a for a, b in zip(logs, logs[1:])]
+    mid = statistics.median(changes)
+    noise = MAD_TO_STD * statistics.median([abs(c - mid) for c in changes]) / math.sqrt(2)
     rule = Rolling(k=6.0, rel=0.0, min_history=20)
-    assert rule.score(history, median + 2 * allowed) == pytest.approx(2.0)
-    assert rule.score(history, median) == pytest.approx(0.0)
+    assert rule.score(history, math.exp(median + 12 * noise)) == pytest.approx(2.0)
+    assert rule.score(history, math.exp(median)) == pytest.approx(0.0, abs=1e-9)
     assert rule.score(history[:19], 100.0) is None  # too little history
-    assert Rolling(k=6.0, rel=1.0, min_history=20).score(history, 2 * median) == pytest.approx(1.0)
+    # the floor: at least ``rel`` above the median, whatever the noise
+    floor = Rolling(k=6.0, rel=1.0, min_history=20)
+    assert floor.score(history, 2 * math.exp(median)) == pytest.approx(1.0)
+    # a loss that can be negative is judged in plain units
+    shifted = [v - 2.5 for v in history]
+    assert rule.score(shifted, statistics.median(shifted)) == pytest.approx(0.0, abs=1e-9)
 
 
 def mlp() -> nn.Module:

@@ -155,13 +155,15 @@ class Thresholds:
             position tables; deliberately tiny inits) are not judged by ratios to their own
             norm: those ratios are ~1/(t+1) at any learning rate.
         spike_window / spike_k / spike_rel / spike_min_history: ``loss_spike`` when the
-            loss exceeds the median of the ``spike_window`` losses before it by more than
-            ``spike_k`` scaled MADs (1.4826 x MAD estimates a standard deviation; Iglewicz
-            and Hoaglin's robust outlier rule uses 3.5, raised to 6 for heavy-tailed batch
-            losses: the healthy runs of ``benchmarks/spikes.py`` stay silent) and by at least
-            ``spike_rel`` of the median (a converged loss with almost no noise), after
-            ``spike_min_history`` steps. 50 steps: enough for a robust median, short enough
-            to follow a decaying loss.
+            log of the loss exceeds the median of the logs of the ``spike_window`` losses
+            before it by more than ``spike_k`` noise units (1.4826 x the MAD of their
+            step-to-step changes / sqrt(2): a robust standard deviation of the noise that a
+            steep early descent does not inflate; Iglewicz and Hoaglin's robust outlier rule
+            uses 3.5, raised to 6 for heavy-tailed batch losses: the healthy runs of
+            ``benchmarks/spikes.py`` and the tests stay silent) and by at least ``spike_rel``
+            of the loss (a converged loss with almost no noise), after ``spike_min_history``
+            steps. 50 steps: enough for a robust median, short enough to follow a decaying
+            loss.
         spike_lead: A group's gradient norm that has been out of its own range (the same
             rule over its own window) for up to this many steps before a spike is said to
             lead it.
