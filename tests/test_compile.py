@@ -15,15 +15,16 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from models import gpt2, token_ids
 from torch import nn
 from torch._dynamo.utils import counters
 
 import hookscope as hs
 from hookscope._hooks import in_backward_recompute
 from hookscope._stats import Sampler
+from models import gpt2, token_ids
 
-BACKEND = "aot_eager"
+BACKEND = "aot_eager"  # values compared with eager
+TRACE = "eager"  # only whether the hooks run
 RESET = "torch._dynamo.reset()"
 
 pytestmark = [
@@ -149,7 +150,9 @@ def test_a_monitor_attached_before_compiling_logs_what_eager_logs(
             compiled = train(mon, torch.compile(model, backend=BACKEND), model, data, loss_of)
     assert hookscope_warnings(caught) == []
     for got, want in zip(compiled, eager, strict=True):
-        assert_close(numbers(got, ("act", "grad", "param")), numbers(want, ("act", "grad", "param")))
+        assert_close(
+            numbers(got, ("act", "grad", "param")), numbers(want, ("act", "grad", "param"))
+        )
     # hookscope's own cheap breaks are gone: the graph task id and math.gcd in the Sampler
     reasons = " ".join(counters["graph_break"])
     assert "_current_graph_task_id" not in reasons and "gcd" not in reasons
@@ -160,7 +163,7 @@ def test_a_monitor_attached_before_compiling_logs_what_eager_logs(
 
 def test_a_monitor_on_a_compiled_wrapper_not_run_yet_needs_no_recompile() -> None:
     model = CNN()
-    compiled = torch.compile(model, backend=BACKEND)
+    compiled = torch.compile(model, backend=TRACE)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with hs.Monitor(compiled, every=1) as mon:
@@ -177,9 +180,9 @@ def test_a_monitor_attached_after_the_compiled_model_ran_recompiles_once_and_say
 ) -> None:
     model = CNN()
     if how == "wrapper":
-        call: nn.Module = torch.compile(model, backend=BACKEND)
+        call: nn.Module = torch.compile(model, backend=TRACE)
     else:
-        model.compile(backend=BACKEND)
+        model.compile(backend=TRACE)
         call = model
     cnn_loss(call(images(99))).backward()
     with pytest.warns(hs.HookscopeWarning, match=r"torch\._dynamo\.reset\(\).*one recompile"):
@@ -195,23 +198,23 @@ def test_a_monitor_attached_after_the_compiled_model_ran_recompiles_once_and_say
 
 def test_an_earlier_instance_of_the_class_compiled_is_not_reused_without_the_hooks() -> None:
     other = CNN()
-    torch.compile(other, backend=BACKEND)(images(99))
+    torch.compile(other, backend=TRACE)(images(99))
     model = CNN()
     with pytest.warns(hs.HookscopeWarning, match="CNN"):
         mon = hs.Monitor(model, every=1)
     with mon:
-        steps = train(mon, torch.compile(model, backend=BACKEND), model, images, cnn_loss)
+        steps = train(mon, torch.compile(model, backend=TRACE), model, images, cnn_loss)
     assert all(sorted(s["act"]) == sorted(mon.modules) for s in steps)
 
 
 def test_gpt2_compiled_and_run_then_watched_logs_every_block() -> None:
     model = tiny_gpt2()
-    compiled = torch.compile(model, backend=BACKEND)
+    compiled = torch.compile(model, backend=TRACE)
     gpt2_loss(compiled(gpt2_ids(99))).backward()
     with pytest.warns(hs.HookscopeWarning, match=RESET.replace("(", r"\(").replace(")", r"\)")):
         mon = hs.Monitor(compiled, every=1)
     with mon:
-        steps = train(mon, compiled, model, gpt2_ids, gpt2_loss)
+        steps = train(mon, compiled, model, gpt2_ids, gpt2_loss, steps=1)
     for s in steps:
         assert {"transformer.h.0.mlp.c_fc", "transformer.h.1.attn.c_attn", "lm_head"} <= set(
             s["act"]
@@ -223,7 +226,7 @@ def test_gpt2_compiled_and_run_then_watched_logs_every_block() -> None:
 
 def test_a_compiled_function_that_runs_the_model_without_the_hooks_is_a_warning() -> None:
     model = CNN()
-    forward = torch.compile(lambda x: model(x), backend=BACKEND)  # not the model's own code
+    forward = torch.compile(lambda x: model(x), backend=TRACE)  # not the model's own code
     forward(images(99))
     with hs.Monitor(model, every=1) as mon:
         with pytest.warns(hs.HookscopeWarning, match="none of the Monitor's hooks") as caught:
@@ -246,7 +249,7 @@ def test_an_eager_step_with_activations_does_not_warn() -> None:
 
 def test_capture_on_a_compiled_model_that_ran_records_its_outputs() -> None:
     model = CNN().eval()
-    compiled = torch.compile(model, backend=BACKEND)
+    compiled = torch.compile(model, backend=TRACE)
     x = images(0)
     compiled(x)
     with pytest.warns(hs.HookscopeWarning, match="capture"):
@@ -262,7 +265,7 @@ def test_capture_on_a_compiled_model_that_ran_records_its_outputs() -> None:
 
 def test_intervene_on_a_compiled_model_that_ran_edits_its_output_then_stops() -> None:
     model = CNN().eval()
-    compiled = torch.compile(model, backend=BACKEND)
+    compiled = torch.compile(model, backend=TRACE)
     x = images(0)
     before = compiled(x)
     with pytest.warns(hs.HookscopeWarning, match="intervene"):
@@ -274,7 +277,7 @@ def test_intervene_on_a_compiled_model_that_ran_edits_its_output_then_stops() ->
 
 def test_extract_from_a_compiled_model_runs_it_eagerly_without_recompiling() -> None:
     model = CNN().eval()
-    compiled = torch.compile(model, backend=BACKEND)
+    compiled = torch.compile(model, backend=TRACE)
     x = images(0)
     compiled(x)
     graphs = counters["stats"]["unique_graphs"]
@@ -296,7 +299,7 @@ def test_the_checkpoint_test_and_the_sampler_trace_without_a_graph_break() -> No
         y = x * 2
         return sampler(y).sum() + (0.0 if in_backward_recompute() else 1.0)
 
-    compiled = torch.compile(hook_body, backend=BACKEND, dynamic=True)
+    compiled = torch.compile(hook_body, backend=TRACE, dynamic=True)
     for shape in [(6, 7, 5), (9, 7, 5)]:
         x = torch.randn(shape)
         torch.testing.assert_close(compiled(x), hook_body(x))

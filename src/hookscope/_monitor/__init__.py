@@ -28,7 +28,7 @@ from torch.linalg import vector_norm
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds, mark_cleared
 from .._errors import HookscopeError, HookscopeWarning, NonFiniteError, did_you_mean
-from .._hooks import HookSet, eager_model, in_backward_recompute
+from .._hooks import HookSet, eager_calls, eager_model, in_backward_recompute
 from .._log import LOG_NAME, Cleared, Event, Header, StepRecord
 from .._select import Where, select
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
@@ -656,7 +656,8 @@ class Monitor:
             return finding
         self._tape.paused = True
         try:
-            origin = trace(self._model, self._tape.calls, suspect=finding.module)
+            with eager_calls():  # a compiled model is replayed op by op
+                origin = trace(self._model, self._tape.calls, suspect=finding.module)
         finally:
             self._tape.paused = False
         if origin is not None:
@@ -680,7 +681,7 @@ class Monitor:
         )
         self._tape.paused = True  # the tape keeps no call of the replay
         try:
-            with contextlib.closing(replay(self._model, self._tape.calls)) as runs:
+            with eager_calls(), contextlib.closing(replay(self._model, self._tape.calls)) as runs:
                 for _, backward in runs:
                     backward()
             return self._trail.localise(self._buf.to_host(), step)
