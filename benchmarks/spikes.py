@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 import time
@@ -138,10 +139,9 @@ def judge(case: str, result: dict) -> dict:
     false = [f for f in result["findings"] if f.step < AT]
     hit = next((f for f in result["findings"] if AT <= f.step <= AT + 3), None)
     lead = None
-    if hit is not None and "steps before the loss" in hit.message:
-        lead = int(hit.message.split(" steps before the loss")[0].rsplit(" ", 1)[1])
-    elif hit is not None and hit.module:
-        lead = 0
+    if hit is not None and hit.module:
+        before = re.search(r"(\d+) steps? before the loss", hit.message)
+        lead = int(before.group(1)) if before else 0
     return {"jump": jump, "hit": hit, "false": false, "lead": lead}
 
 

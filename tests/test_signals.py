@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -34,7 +35,7 @@ def test_the_rolling_range_is_the_median_plus_k_noise_units_in_logs() -> None:
     history = (torch.linspace(3.0, 2.0, 50) + torch.rand(50, generator=g) * 0.2).tolist()
     logs = [math.log(v) for v in history]
     median = statistics.median(logs)
-    changes = [b - a for a, b in zip(logs, logs[1:])]
+    changes = [b - a for a, b in itertools.pairwise(logs)]
     mid = statistics.median(changes)
     noise = MAD_TO_STD * statistics.median([abs(c - mid) for c in changes]) / math.sqrt(2)
     rule = Rolling(k=6.0, rel=0.0, min_history=20)
@@ -51,7 +52,9 @@ def test_the_rolling_range_is_the_median_plus_k_noise_units_in_logs() -> None:
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
 
 
 def train(model: nn.Module, mon: hs.Monitor, steps: int, fault=None) -> list[float]:
@@ -150,9 +153,7 @@ def test_record_on_loss_spike_writes_a_replay_bundle(tmp_path: Path) -> None:
         return x * 30 if phase == "batch" and step == AT else x
 
     model = mlp()
-    with hs.Monitor(
-        model, every=None, record_dir=tmp_path, record_on=("loss_spike",)
-    ) as mon:
+    with hs.Monitor(model, every=None, record_dir=tmp_path, record_on=("loss_spike",)) as mon:
         train(model, mon, AT + 2, bad_batch)
     recorded = [r for r in mon.records if r["type"] == "event" and r["kind"] == "recorded"]
     assert len(recorded) == 1 and "loss_spike" in recorded[0]["message"]
@@ -163,3 +164,59 @@ def test_the_window_record_is_documented() -> None:
     row = next(line for line in DOC.splitlines() if line.startswith("| `window` |"))
     documented = set(re.findall(r"`(\w+)`", row.split("|")[3]))
     assert {f.name for f in fields(Window)} - {"type"} <= documented
+
+
+def test_kurtosis_and_max_over_rms_equal_plain_torch() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8))
+    x = torch.randn(32, 16)
+    with torch.no_grad():
+        outs = [model[0](x)]
+        outs.append(model[1](outs[0]))
+        outs.append(model[2](outs[1]))
+    with hs.Monitor(model, every=1, sample=None) as mon:
+        model(x).pow(2).mean().backward()
+        mon.step()
+    for name, out in zip(("0", "1", "2"), outs, strict=True):
+        v = out.double().flatten()
+        centred = v - v.mean()
+        kurtosis = centred.pow(4).mean() / centred.pow(2).mean().square()
+        stats = mon.records[1]["act"][name]
+        assert stats["kurtosis"] == pytest.approx(kurtosis.item(), rel=1e-4)
+        assert stats["absmax_over_rms"] == pytest.approx(
+            (v.abs().max() / v.pow(2).mean().sqrt()).item(), rel=1e-5
+        )
+
+
+class OneLoudValue(nn.Module):
+    """Adds ``scale`` to channel 5 of the first token of the first sequence: a massive
+    activation, as LLMs grow on a start token."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bump = torch.zeros_like(x)
+        bump[0, 0, 5] = self.scale
+        return x + bump
+
+
+@pytest.mark.parametrize("scale", [0.0, 3000.0])
+def test_massive_activations_are_found_where_the_value_was_made_large(scale: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), OneLoudValue(scale), nn.Linear(256, 1))
+    span = Thresholds().massive_span
+    with hs.Monitor(model, every=5, sample=None) as mon:
+        for _ in range(span + 6):
+            model(torch.randn(2, 64, 8)).pow(2).mean().backward()
+            model.zero_grad()
+            mon.step()
+    found = [f for f in mon.findings if f.kind == "massive_activations"]
+    if scale == 0:
+        assert found == []
+        return
+    (finding,) = found
+    assert finding.module == "1" and finding.step == span
+    assert finding.value >= Thresholds().massive
+    assert mon.records[1]["act"]["1"]["kurtosis"] > 1000  # one value: far from a normal's 3

@@ -31,7 +31,8 @@ class Finding:
             ``"eval_randomness"``, ``"eval_mismatch"``, ``"autocast_skipped"``,
             ``"frozen_changed"`` and ``"replica_divergence"``; the large-model signals
             (``_monitor/_signals.py``): ``"loss_spike"`` (``module``: the parameter group
-            whose gradient norm left its range first, ``""`` when none did).
+            whose gradient norm left its range first, ``""`` when none did) and
+            ``"massive_activations"``.
         module: Qualified name of the module (for ``update_ratio``, the parameter's module).
         step: The step it was first seen at (steps count from 0).
         value: The measured value that crossed the threshold.
@@ -167,6 +168,11 @@ class Thresholds:
         spike_lead: A group's gradient norm that has been out of its own range (the same
             rule over its own window) for up to this many steps before a spike is said to
             lead it.
+        massive / massive_span: ``massive_activations`` when a module's largest output is at
+            least this multiple of its RMS (``absmax_over_rms``) for this many training steps
+            (two observations at least). Massive activations in LLMs reach thousands of times
+            the median magnitude (Sun et al. 2024, "Massive activations in large language
+            models"); the largest of 4096 normal values is about 4x their RMS.
     """
 
     dead_unit: float = 0.7
@@ -192,6 +198,8 @@ class Thresholds:
     spike_rel: float = 0.05
     spike_min_history: int = 20
     spike_lead: int = 20
+    massive: float = 100.0
+    massive_span: int = 20
 
 
 class Diagnosis:
@@ -215,6 +223,7 @@ class Diagnosis:
         self._reported: set[tuple[str, str]] = set()
         self._ratio: dict[str, _Run] = {}  # parameter -> run of "high" / "low" / False
         self._no_grad: dict[str, _Run] = {}
+        self._massive: dict[str, _Run] = {}  # module -> run of absmax_over_rms above threshold
         self._initial: dict[str, float] = {}  # RMS of each weight when first seen
         self._loss, self._norm = _Growth(), _Growth()
         self._diverging = _Run()
@@ -348,7 +357,8 @@ class Diagnosis:
     def _span(self, kind: str, family: str) -> int:
         if family == "step":
             return self.t.diverge_span
-        return self.t.update_span if kind == "update_ratio" else 0
+        spans = {"update_ratio": self.t.update_span, "massive_activations": self.t.massive_span}
+        return spans.get(kind, 0)
 
     # -- sampled steps ---------------------------------------------------------------------
     def sampled(self, step: int, record: StepRecord, graph: Graph | None = None) -> list[Finding]:
@@ -356,10 +366,35 @@ class Diagnosis:
         graph = graph or Graph(frozenset())
         found = self.training_step(step, record.scalars, updates=step - self._last_step)
         made = self._units(step, record.act)
+        made += self._outliers(step, record.act)
         made += self._gradients(step, record, graph)
         made += self._updates(step, record.param, graph)
         self._track(step, made, "sampled")
         return found + made
+
+    def _outliers(self, step: int, act: dict[str, dict[str, float]]) -> list[Finding]:
+        """``massive_activations``: a module whose largest output stays ``massive`` times its
+        RMS or more for ``massive_span`` training steps."""
+        found = []
+        for name, s in act.items():
+            ratio = s.get("absmax_over_rms", math.nan)
+            run = self._massive.setdefault(name, _Run())
+            run.see(step, ratio >= self.t.massive)  # NaN: not massive
+            if run.state and run.lasted(self.t.massive_span):
+                found.append(
+                    Finding(
+                        "massive_activations",
+                        name,
+                        step,
+                        ratio,
+                        f"the largest output of {name!r} is {ratio:.0f}x its RMS (kurtosis "
+                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}: a few "
+                        "channels carry values hundreds of times the rest, a known precursor "
+                        "of divergence and of low-precision overflow in transformers; check "
+                        "the normalisation before it, weight decay, or the learning rate",
+                    )
+                )
+        return found
 
     def _units(self, step: int, act: dict[str, dict[str, float]]) -> list[Finding]:
         found = []

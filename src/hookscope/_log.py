@@ -52,6 +52,8 @@ ACT_STATS = (
     "inf",
     "numel",
     "sampled",
+    "kurtosis",
+    "absmax_over_rms",
 )
 GRAD_STATS = ("norm", "rms", "absmax", "numel", "sampled")
 PARAM_STATS = ("norm", "grad_norm", "update_ratio")

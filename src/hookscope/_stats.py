@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 # Sums of a sample, in this order; they add up over tensors and calls.
-MOMENTS = ("sum", "sumsq", "zeros", "sat", "nan", "inf", "n")
+MOMENTS = ("sum", "sumsq", "cube", "quad", "zeros", "sat", "nan", "inf", "n")
 
 _RELU_LIKE = (nn.ReLU, nn.ReLU6)
 # Saturated: output within this distance of the activation's bound (tanh(5) = 1 - 9e-5 is
@@ -132,10 +132,13 @@ def moments(x: torch.Tensor, bounds: tuple[float, float] | None) -> torch.Tensor
         if bounds is not None
         else nan.new_zeros(())
     )
+    square = x.square()
     return torch.stack(
         [
             x.sum(),
-            x.square().sum(),
+            square.sum(),
+            (square * x).sum(),  # third and fourth moments: kurtosis, on the same sample
+            square.square().sum(),
             (x == 0).sum().to(x.dtype),
             sat.to(x.dtype),
             nan.to(x.dtype),

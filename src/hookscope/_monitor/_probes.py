@@ -102,6 +102,7 @@ class Activations:
                 "inf": int(m["inf"]),
                 "numel": int(host[("act_numel", name)][0]),
                 "sampled": int(m["n"]),
+                **_outliers(m, n, mean, var, max(abs(lo), abs(hi))),
             }
             hist = host.get(("act_hist", name))
             if hist is not None:
@@ -295,6 +296,20 @@ class BatchNorms:
                         strict=True,
                     )
                 )
+
+
+def _outliers(m: dict[str, float], n: float, mean: float, var: float, absmax: float) -> dict:
+    """Kurtosis (fourth central moment over the squared variance; 3 for a normal, far above
+    for a few huge channels) and the largest magnitude over the RMS, from the sample's raw
+    moments (NaN where they are not finite or the values are constant)."""
+    rms = math.sqrt(max(m["sumsq"] / n, 0.0)) if math.isfinite(m["sumsq"]) else math.nan
+    e3, e4 = m["cube"] / n, m["quad"] / n
+    fourth = e4 - 4 * mean * e3 + 6 * mean**2 * (m["sumsq"] / n) - 3 * mean**4
+    ok = math.isfinite(fourth) and math.isfinite(var) and var > 0
+    return {
+        "kurtosis": max(fourth, 0.0) / var**2 if ok else math.nan,
+        "absmax_over_rms": absmax / rms if math.isfinite(rms) and rms > 0 else math.nan,
+    }
 
 
 def _rank0(rank: int) -> str:
