@@ -384,9 +384,7 @@ class Monitor:
         if sampled and module.training:
             self._acts.forward(self._buf, name, outs)
 
-    def _on_root(
-        self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any
-    ) -> None:
+    def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Unsampled steps: flag the inputs and outputs of each outermost call into the model
         (the model, or a child the training loop calls directly: ``name``), and hook the
         gradient that reaches its outputs (every NaN/Inf that matters passes one of them, or
@@ -398,7 +396,13 @@ class Monitor:
         # hold -inf on purpose.
         outs = self._trail.forward(self._buf, name, tensors(args), outs, nan_inputs=True)
         if outs and torch.is_grad_enabled():
-            self._hook_grads(name, outs)
+            for t in outs:
+                if t.requires_grad:
+                    self._hooks.tensor(t, functools.partial(self._on_edge_grad, name))
+
+    def _on_edge_grad(self, name: str, grad: torch.Tensor) -> None:
+        self._grad_calls += 1
+        self._trail.backward(self._buf, name, grad, edge=True)
 
     def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """What a container returns: a watched module's output that no container returns,

@@ -57,6 +57,7 @@ class Flag:
     module: str
     inputs: tuple[int, ...] = ()
     param: str | None = None  # for "param" flags: the parameter whose gradient it is
+    edge: bool = False  # at an outermost call into the model (an unsampled step's flags)
 
 
 class NonFiniteTrail:
@@ -131,8 +132,10 @@ class NonFiniteTrail:
         entry = self._made_by.get(id(t))
         return entry if entry is not None and entry[2]() is t else None
 
-    def backward(self, buf: StepBuffer, name: str, grad: torch.Tensor) -> None:
-        self._add(buf, Flag("backward", name), grad.detach().sum())
+    def backward(
+        self, buf: StepBuffer, name: str, grad: torch.Tensor, *, edge: bool = False
+    ) -> None:
+        self._add(buf, Flag("backward", name, edge=edge), grad.detach().sum())
 
     def parameters(self, buf: StepBuffer, params: dict, names: list[str]) -> None:
         """Flag the gradients an optimizer is about to apply (one fused kernel): a NaN/Inf
@@ -182,7 +185,7 @@ class NonFiniteTrail:
             if not bad[i]:
                 continue
             name = self.flags[i].module
-            if k == 0:
+            if k == 0 or self.flags[i].edge:  # what reached the model from outside
                 return _finding(
                     name,
                     step,
@@ -202,7 +205,7 @@ class NonFiniteTrail:
             )
         # Only the model's own outputs had their gradient flagged (an unsampled step): the
         # value arose somewhere inside the model's backward pass.
-        edges_only = all(self.flags[i].module == "" for i in backward)
+        edges_only = all(self.flags[i].edge for i in backward)
         for i, flag in enumerate(self.flags):
             if bad[i] and flag.phase == "param":
                 where = (
