@@ -327,7 +327,7 @@ def test_histograms_and_tensorboard_events(tmp_path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor:UserWarning")
-def test_monitor_attached_before_compile_sees_the_compiled_steps_and_refuses_after() -> None:
+def test_monitor_attached_before_compile_sees_the_compiled_steps() -> None:
     import torch._dynamo
 
     model = MLP()
@@ -344,9 +344,7 @@ def test_monitor_attached_before_compile_sees_the_compiled_steps_and_refuses_aft
         steps = [r for r in mon.records if r["type"] == "step"]
         assert [sorted(r["act"]) for r in steps] == [["act", "fc1", "fc2", "risky"]] * 2
         assert steps[1]["grad"]["fc1"]["norm"] > 0
-        with pytest.raises(hs.CompiledModelError, match="Monitor"):
-            hs.Monitor(compiled)
-        assert_no_hooks(model)
+        assert_no_hooks(model)  # (attached after compiling: tests/test_compile.py)
     finally:
         torch._dynamo.reset()
 

@@ -662,7 +662,7 @@ def test_call_dependent_edit_under_checkpointing_gives_the_plain_gradients(reent
 # Dynamo hides an internal ".grad of a non-leaf" warning by swapping warnings.showwarning,
 # which an "error" filter (ours, in pyproject) bypasses: torch's quirk, not a hookscope warning.
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor:UserWarning")
-def test_compile_hooks_attached_before_compiling_fire_and_compiled_models_are_refused() -> None:
+def test_compile_hooks_attached_before_compiling_fire() -> None:
     pytest.importorskip("torch._dynamo")
     import torch._dynamo
 
@@ -675,14 +675,7 @@ def test_compile_hooks_attached_before_compiling_fire_and_compiled_models_are_re
             y = compiled(x)
         assert torch.equal(cap["2"].output, y.detach())
         assert torch.equal(cap["0"].output, model[0](x).detach())
-        assert_no_hooks(model)
-        with pytest.raises(hs.CompiledModelError, match="before"):
-            hs.capture(compiled, "0")
-        with pytest.raises(hs.CompiledModelError):
-            hs.extract(compiled, x, where="0")
-        with pytest.raises(hs.CompiledModelError):
-            hs.intervene(compiled, {"0": lambda out, site: None})
-        assert_no_hooks(model)
+        assert_no_hooks(model)  # attached after compiling: tests/test_compile.py
     finally:
         torch._dynamo.reset()
 

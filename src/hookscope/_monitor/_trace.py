@@ -99,9 +99,14 @@ class Tape:
         # then re-run whatever happens inside it.
         self.recording = False
         self._depth = 0
+        before, after = self._before, self._after
+        if "torch._dynamo" in sys.modules:  # the model may run compiled: tape it eagerly,
+            # at the cost of one graph break at each outermost call (traced, these hooks
+            # would return early and the tape would stay empty: no op for a NaN)
+            before, after = torch.compiler.disable(before), torch.compiler.disable(after)
         for name, module in top_modules(root):
-            hooks.forward_pre(module, functools.partial(self._before, name), prepend=True)
-            hooks.forward(module, functools.partial(self._after, name), always_call=True)
+            hooks.forward_pre(module, functools.partial(before, name), prepend=True)
+            hooks.forward(module, functools.partial(after, name), always_call=True)
 
     def _before(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # a compiled graph is replayed eagerly, not taped
