@@ -118,6 +118,14 @@ class Monitor:
     ``stale_gradients``, ``eval_randomness``, ``eval_mismatch``, ``autocast_skipped``, and
     with the arguments above ``frozen_changed`` and ``replica_divergence``.
 
+    Large-model signals (``_signals.py``): on every step a rolling window keeps the loss,
+    ``grad_norm``, the learning rates and per parameter group (a transformer block, an
+    embedding) its gradients' L1 norm, reused from the non-finite check (no pass of its own);
+    a ``loss_spike`` finding names the group whose norm left its own range first, with the
+    window in the log (``record_on=("loss_spike",)`` records the step). Sampled steps add
+    each module's ``kurtosis`` and ``absmax_over_rms``, and ``massive_activations`` when the
+    latter stays high.
+
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
     before it. Statistics are collected from modules in training mode; evaluation passes
     (``model.eval()``) are only checked for NaN/Inf, and each record says whether the model

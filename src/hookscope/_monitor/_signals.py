@@ -7,8 +7,8 @@ parameter group (:func:`group_of`: one transformer block, one embedding, ...) an
 last steps' loss, total gradient norm and group norms on the host: no kernel and no transfer
 of its own, a few microseconds of Python per step.
 
-A loss spike is judged with robust rolling statistics (median and MAD of the last
-``spike_window`` losses); when one starts, the group whose gradient norm left its own rolling
+A loss spike is judged with robust rolling statistics of the last ``spike_window`` losses
+(:class:`Rolling`: their median, and the MAD of their step-to-step changes); when one starts, the group whose gradient norm left its own rolling
 range first is named, with its lead in steps, and the window is handed back to be logged.
 """
 
