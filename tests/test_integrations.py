@@ -323,9 +323,10 @@ def test_trainer_flags_a_nan_loss_that_its_log_filter_hides(tmp_path: Path) -> N
     logs = [h for h in recorder.logs if "loss" in h]
     assert all(math.isfinite(h["loss"]) for h in logs)  # logging_nan_inf_filter at work
     assert math.isnan(logs[1]["hookscope/loss"])
-    assert [h["hookscope/new_findings"] for h in logs][:2] == [0.0, 1.0]
-    (finding,) = [f for f in cb.monitor.findings if f.step == 1]
-    assert finding.kind == "nonfinite"
+    # the NaN, and (the update went ahead: on_nonfinite="log") the weights it poisoned
+    assert [h["hookscope/new_findings"] for h in logs][:2] == [0.0, 2.0]
+    found = [(f.kind, f.phase) for f in cb.monitor.findings if f.step == 1]
+    assert found[0][0] == "nonfinite" and found[1] == ("nonfinite", "update")
 
 
 class DictRegressor(nn.Module):

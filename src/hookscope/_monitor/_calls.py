@@ -28,7 +28,6 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.amp import grad_scaler
-from torch.optim import optimizer as _optimizer
 
 __all__ = ["Listener", "listen", "loss_of"]
 
@@ -133,23 +132,22 @@ def _wrap_scaler_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         skipped = [f for listener in _live() if (f := getattr(listener, "scaler_skipped", None))]
-        if not skipped:
+        if not skipped or not hasattr(optimizer, "register_step_pre_hook"):
             return original(self, optimizer, *args, **kwargs)
-        before = _steps[0]
-        result = original(self, optimizer, *args, **kwargs)
-        if _steps[0] == before:  # no optimizer's step() began: the scaler skipped it
+        # Whether the scaler ran the step, told by torch's own step hook (not its private
+        # state); the hook lives for this call only.
+        ran: list[bool] = []
+        handle = optimizer.register_step_pre_hook(lambda *_: ran.append(True))
+        try:
+            result = original(self, optimizer, *args, **kwargs)
+        finally:
+            handle.remove()
+        if not ran:
             for scaler_skipped in skipped:
                 scaler_skipped(optimizer)
         return result
 
     return step
-
-
-def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """A global optimizer step pre-hook: every ``step()`` that begins, counted. (Whether
-    ``GradScaler.step`` ran the step, told by torch's own hooks rather than the scaler's
-    private state.)"""
-    _steps[0] += 1
 
 
 def loss_of(tensors: Any) -> torch.Tensor | None:
@@ -177,15 +175,11 @@ _TARGETS: list[tuple[Any, str, Callable[[Any], Any]]] = [
     (grad_scaler.GradScaler, "scale", _wrap_scale),
     (grad_scaler.GradScaler, "step", _wrap_scaler_step),
 ]
-_steps = [0]  # optimizer steps begun while installed (see _count_step)
-_counting: list[Any] = []  # the handle of the counting hook, while installed
 # (owner, name) -> (torch's function, our wrapper), for what is wrapped now.
 _installed: dict[tuple[Any, str], tuple[Any, Any]] = {}
 
 
 def _install() -> None:
-    if not _counting:
-        _counting.append(_optimizer.register_optimizer_step_pre_hook(_count_step))
     wrappers: dict[int, Any] = {}  # one wrapper per function (two modules export clip_grad_*)
     for owner, name, wrap in _TARGETS:
         if (owner, name) in _installed:
@@ -204,6 +198,3 @@ def _uninstall() -> None:
         if getattr(owner, name) is wrapper:
             setattr(owner, name, original)
             del _installed[owner, name]
-    if (grad_scaler.GradScaler, "step") not in _installed:  # nothing left to count for
-        while _counting:
-            _counting.pop().remove()
