@@ -22,7 +22,11 @@ Models: GPT-2 (4 layers x 256, random weights, dropout 0, 8x128 tokens, SGD) and
 8 x Linear(2048, 2048) MLP for 20 steps and reports its peak RSS (VmHWM); three processes per
 condition, the median is reported (one with ``--quick``).
 
-    python benchmarks/bench_monitor.py [--quick] [--only gpt2|cnn|mem] [--pairs N]
+With ``--checks``: the cost of the checks of invariants (``_checks/``) alone, each Monitor
+row against the same Monitor whose checks are replaced by a no-op (paired and interleaved the
+same way; the baseline is then the Monitor without checks, not the bare step).
+
+    python benchmarks/bench_monitor.py [--quick] [--only gpt2|cnn|mem] [--pairs N] [--checks]
 
 wandb is a benchmark-only dependency (``pip install -c constraints.txt wandb``); without it
 that row is skipped with the reason.
@@ -47,6 +51,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -270,11 +275,13 @@ def paired(
     make: Callable[[nn.Module], Condition],
     pairs: int,
     warmup: int,
+    baseline: Callable[[nn.Module], Condition] = lambda m: Condition(),
 ) -> tuple[str, str]:
-    """One condition on its own copy of the model against a bare copy: (note, result cells)."""
+    """One condition on its own copy of the model against a copy under ``baseline`` (by
+    default the bare step): (note, result cells)."""
     bare, model = copy.deepcopy(base), copy.deepcopy(base)
     bare_opt, opt = make_opt(bare), make_opt(model)
-    bare_cond = Condition()
+    bare_cond = baseline(bare)
     try:
         cond = make(model)
     except ImportError as e:
@@ -291,8 +298,9 @@ def paired(
             if i >= warmup:
                 times.append((tb, tw))
     finally:
-        with contextlib.suppress(Exception):
-            cond.close()
+        for c in (cond, bare_cond):
+            with contextlib.suppress(Exception):
+                c.close()
     total = sum(tw for _, tw in times) / sum(tb for tb, _ in times)
     median = statistics.median(tw / tb for tb, tw in times)
     mean_b = 1e3 * statistics.fmean(tb for tb, _ in times)
@@ -319,6 +327,65 @@ def measure(key: str, pairs: int, warmup: int) -> list[tuple[str, str]]:
             traceback.print_exc(limit=-3)
             rows.append((name, f"error: {one_line(e)} | | "))
         print(f"  {rows[-1][0]}: {rows[-1][1]}   [{time.perf_counter() - t0:.0f} s]", flush=True)
+    return rows
+
+
+class _NoChecks:
+    """The Monitor's checks of invariants (``_checks.Checks``), replaced by a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def before_backward(self) -> None:
+        pass
+
+    def collect(self, buf: Any, sampled: bool) -> None:
+        pass
+
+    def layout(self, rank: int) -> list:
+        return []
+
+    def read(self, host: Any, record: Any) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def without_checks(model: nn.Module, **kwargs: Any) -> Monitor:
+    with mock.patch("hookscope._monitor.Checks", _NoChecks):
+        return Monitor(model, **kwargs)
+
+
+CHECK_ROWS = {
+    "`hs.Monitor(model, every=None)`": {"every": None},
+    "`hs.Monitor(model, every=10)`": {"every": 10},
+    "`hs.Monitor(model, every=1)`": {"every": 1},
+    "`hs.Monitor(model, every=1, sample=None)`": {"every": 1, "sample": None},
+}
+
+
+def measure_checks(key: str, pairs: int, warmup: int) -> list[tuple[str, str]]:
+    """Rows of (Monitor, result cells): with its checks against without them."""
+    label, build = MODELS[key]
+    torch.manual_seed(0)
+    base, loss_of, make_opt = build()
+    base.train()
+    print(f"{label}: checks on vs off", flush=True)
+    rows = []
+    for name, kw in CHECK_ROWS.items():
+        gc.collect()
+        _, cell = paired(
+            base,
+            loss_of,
+            make_opt,
+            lambda m: Monitor(m, **kw),  # noqa: B023
+            pairs,
+            warmup,
+            baseline=lambda m: without_checks(m, **kw),  # noqa: B023
+        )
+        rows.append((name, cell))
+        print(f"  {name}: {cell}", flush=True)
     return rows
 
 
@@ -426,6 +493,9 @@ def main() -> None:
         "--only", choices=["gpt2", "cnn", "mem"], help="one model only, or only the memory part"
     )
     parser.add_argument("--pairs", type=int, default=None, help="pairs per condition")
+    parser.add_argument(
+        "--checks", action="store_true", help="the checks of invariants on vs off, per Monitor"
+    )
     parser.add_argument("--mem-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mem_child:
@@ -434,6 +504,9 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     pairs = args.pairs or (10 if args.quick else 30)
     warmup = 3
+    if args.checks:
+        main_checks(args.only, pairs, warmup)
+        return
     start = time.perf_counter()
     results = {}
     for key in MODELS:
@@ -464,6 +537,22 @@ def main() -> None:
         for name, cell in memory:
             print(f"| {name} | {cell} |")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
+
+
+def main_checks(only: str | None, pairs: int, warmup: int) -> None:
+    """``--checks``: each Monitor with its checks against the same Monitor without them."""
+    results = {key: measure_checks(key, pairs, warmup) for key in MODELS if only in (None, key)}
+    print(
+        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {pairs} pairs per row "
+        f"({warmup} warm-up); ratio of summed step times with the checks to without (median of "
+        "per-pair ratios); ms = mean step time"
+    )
+    for key, rows in results.items():
+        print(f"\n**{MODELS[key][0]}**: checks on vs off\n")
+        print("| Monitor | ratio (median) | without checks ms | with ms |")
+        print("|---|---:|---:|---:|")
+        for name, cell in rows:
+            print(f"| {name} | {cell} |")
 
 
 if __name__ == "__main__":

@@ -7,22 +7,30 @@ repeatable, a dtype, a scale), on the bug and on its twin: a case whose proof fa
 reported as such and not counted. Printed per case: the finding kind expected, the step the bug
 first acts at (the trigger), the step of the first finding of that kind; and at the end:
 detected, detected within 2 steps of the trigger, and false alarms (findings of the silent
-kinds on the fixed twins). Then the cost of the checks: the same watched training step with
-the checks and with them replaced by a no-op, paired and interleaved, as a ratio.
+kinds on the fixed twins). The multi-process cases run on 2 gloo ranks on the CPU (one spawn
+for all of them); each proves its bug by gathering the parameters of both ranks, and the
+findings are rank 0's (every rank holds the same). Then the cost of the checks: the same
+watched training step with the checks and with them replaced by a no-op, paired and
+interleaved, as a ratio.
 
-    python benchmarks/silent.py [--pairs N]
+    python benchmarks/silent.py [--pairs N] [--no-cost] [--no-multi]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -390,25 +398,202 @@ CASES = [
 ]
 
 
-def run_cases() -> None:
+# -- several processes: 2 gloo ranks on CPU --------------------------------------------------
+WORLD = 2
+
+
+class SumAcrossRanks(torch.autograd.Function):
+    """A row-parallel layer's reduction: partial outputs summed over the ranks; the gradient
+    of the sum passes through unchanged (Megatron's ``reduce_from_tensor_model_parallel``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class TensorParallel(nn.Module):
+    """A column-parallel then a row-parallel Linear (each rank holds half of the hidden
+    features: marked ``tensor_model_parallel``) and a LayerNorm every rank holds whole."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(10 + rank)  # each rank's own shards
+        self.col = nn.Linear(8, 32 // WORLD)
+        self.row = nn.Linear(32 // WORLD, 4, bias=False)
+        for p in (*self.col.parameters(), *self.row.parameters()):
+            p.tensor_model_parallel = True
+        torch.manual_seed(0)  # the replicated part: the same on every rank
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(SumAcrossRanks.apply(self.row(torch.relu(self.col(x)))))
+
+
+def _differs_across_ranks(params: list[torch.Tensor]) -> bool:
+    """Plain torch: whether these tensors differ between the ranks (all-gathered)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    return any(not torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def _ddp_train(ddp: nn.Module, opt: torch.optim.Optimizer, mon: hs.Monitor, rank: int) -> None:
+    for s in range(STEPS):
+        x, y = batch(s)  # each rank trains on its half of the batch
+        opt.zero_grad()
+        F.mse_loss(ddp(x.chunk(WORLD)[rank]), y.chunk(WORLD)[rank]).backward()
+        opt.step()
+        mon.step()
+
+
+def head_replaced_after_wrapping(rank: int, bug: bool) -> Outcome:
+    """Fine-tuning swaps the classifier head after DistributedDataParallel wrapped the model
+    (with find_unused_parameters=True, nothing complains): its gradients are never averaged."""
+    DDP = nn.parallel.DistributedDataParallel
+    torch.manual_seed(0)
+    model = mlp()
+    if not bug:
+        model[4] = nn.Linear(32, 4)
+    ddp = DDP(model, find_unused_parameters=True)
+    if bug:
+        model[4] = nn.Linear(32, 4)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with hs.Monitor(ddp) as mon:
+        _ddp_train(ddp, opt, mon, rank)
+    return Outcome(_differs_across_ranks(list(model[4].parameters())) is bug, mon.findings)
+
+
+def learning_rate_of_the_rank(rank: int, bug: bool) -> Outcome:
+    """The learning rate scaled by a per-rank value (a rank-local batch size, say)."""
+    torch.manual_seed(0)
+    model = mlp()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05 * (1 + rank if bug else 1))
+    with hs.Monitor(ddp) as mon:
+        _ddp_train(ddp, opt, mon, rank)
+    return Outcome(_differs_across_ranks(list(model.parameters())) is bug, mon.findings)
+
+
+def checkpoint_loaded_on_rank_0_after_wrapping(rank: int, bug: bool) -> Outcome:
+    """Each rank initialises with its own seed; DDP's initial broadcast makes them equal. The
+    checkpoint is loaded on rank 0 only, after that broadcast: the ranks start apart."""
+    torch.manual_seed(100)
+    checkpoint = mlp().state_dict()
+    torch.manual_seed(rank)
+    model = mlp()
+    if not bug and rank == 0:
+        model.load_state_dict(checkpoint)  # before wrapping: the broadcast spreads it
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if bug and rank == 0:
+        model.load_state_dict(checkpoint)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    with hs.Monitor(ddp) as mon:
+        _ddp_train(ddp, opt, mon, rank)
+    return Outcome(_differs_across_ranks(list(model.parameters())) is bug, mon.findings)
+
+
+def replicated_norm_clipped_per_rank(rank: int, bug: bool) -> Outcome:
+    """Tensor parallelism: clip_grad_norm_ on each rank's own parameters measures a
+    rank-local norm, so the replicated LayerNorm is scaled by another factor on each rank.
+    The fix: one global norm (the shards' squares summed over the ranks)."""
+    model = TensorParallel(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hs.Monitor(model, replicated="norm") as mon:
+        for s in range(STEPS):
+            x, y = batch(s)  # every rank sees the same batch
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            if bug:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            else:
+                shards = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", 0)]
+                sq = torch.stack([p.grad.pow(2).sum() for p in shards]).sum()
+                dist.all_reduce(sq)
+                total = (sq + sum(p.grad.pow(2).sum() for p in model.norm.parameters())).sqrt()
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.05, total)
+            opt.step()
+            mon.step()
+    return Outcome(_differs_across_ranks(list(model.norm.parameters())) is bug, mon.findings)
+
+
+@dataclass
+class DistCase:
+    name: str
+    run: Callable[[int, bool], Outcome]
+    kind: str = "replica_divergence"
+    trigger: int = 0
+
+
+DIST_CASES = [
+    DistCase("DDP: head replaced after wrapping", head_replaced_after_wrapping),
+    DistCase("DDP: learning rate differs per rank", learning_rate_of_the_rank),
+    DistCase(
+        "DDP: checkpoint loaded on rank 0 after wrap", checkpoint_loaded_on_rank_0_after_wrapping
+    ),
+    DistCase("TP: replicated norm clipped per rank", replicated_norm_clipped_per_rank),
+]
+
+
+def _dist_worker(rank: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    store = f"file://{tmp}/store"
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD)
+    out = []
+    try:
+        for case in DIST_CASES:
+            for bug in (True, False):
+                got = case.run(rank, bug)
+                findings = [(f.kind, f.module, f.step, f.value, f.message) for f in got.findings]
+                out.append({"proved": got.proved, "findings": findings})
+    finally:
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def run_dist_cases() -> list[tuple[Outcome, Outcome]]:
+    """Every multi-process case on 2 gloo ranks (one spawn); rank 0's outcomes, the proof
+    holding on both ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_dist_worker, args=(tmp,), nprocs=WORLD, start_method="spawn")
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    outcomes = []
+    for i in range(0, len(ranks[0]), 2):
+        pair = []
+        for j in (i, i + 1):
+            proved = all(r[j]["proved"] for r in ranks)
+            pair.append(Outcome(proved, [hs.Finding(*f) for f in ranks[0][j]["findings"]]))
+        outcomes.append(tuple(pair))
+    return outcomes
+
+
+def run_cases(multi: bool = True) -> None:
+    rows = [(c.name, c.kind, c.trigger, c.run(True), c.run(False)) for c in CASES]
+    if multi:
+        for case, (bug, twin) in zip(DIST_CASES, run_dist_cases(), strict=True):
+            rows.append((case.name + " (2 ranks)", case.kind, case.trigger, bug, twin))
     detected = timely = alarms = proved = 0
-    print(f"{'case':48} {'kind':18} trigger found  twin")
-    for case in CASES:
-        bug, twin = case.run(True), case.run(False)
+    print(f"{'case':56} {'kind':18} trigger found  twin")
+    for name, kind, trigger, bug, twin in rows:
         ok = bug.proved and twin.proved
         proved += ok
-        hits = [f.step for f in bug.findings if f.kind == case.kind]
+        hits = [f.step for f in bug.findings if f.kind == kind]
         false = [f for f in twin.findings if f.kind in KINDS]
         first = min(hits) if hits else None
         detected += ok and first is not None
-        timely += ok and first is not None and first - case.trigger <= 2
+        timely += ok and first is not None and first - trigger <= 2
         alarms += len(false)
         twin_text = "silent" if not false else ", ".join(f"{f.kind}@{f.module}" for f in false)
         print(
-            f"{case.name:48} {case.kind:18} {case.trigger:>7} {first!s:>5}  {twin_text}"
+            f"{name:56} {kind:18} {trigger:>7} {first!s:>5}  {twin_text}"
             + ("" if ok else "  (NOT PROVED by plain torch)")
         )
-    n = len(CASES)
+    n = len(rows)
     print(
         f"\n{proved}/{n} proved with plain torch; detected {detected}/{n}, within 2 steps of "
         f"the trigger {timely}/{n}; false alarms on the {n} fixed twins: {alarms}"
@@ -491,8 +676,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=int, default=30, help="timed pairs for the cost")
     parser.add_argument("--no-cost", action="store_true", help="only the cases")
+    parser.add_argument(
+        "--no-multi", action="store_true", help="skip the 2-rank cases (one spawn, ~15 s)"
+    )
     args = parser.parse_args()
-    run_cases()
+    run_cases(multi=not args.no_multi)
     if not args.no_cost:
         print()
         cost(args.pairs)

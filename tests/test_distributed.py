@@ -209,6 +209,115 @@ def scenario_mismatch(rank: int, out: dict, tmp: Path) -> None:
     out["local_mean"] = steps_of(mon)[0]["act"]["0"]["mean"]
 
 
+class SumAcrossRanks(torch.autograd.Function):
+    """A row-parallel layer's reduction: summed over the ranks, its gradient passed through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class TensorParallel(nn.Module):
+    """Column- then row-parallel Linear (each rank its own half, marked
+    ``tensor_model_parallel``), then a LayerNorm every rank holds whole."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        torch.manual_seed(10 + rank)
+        self.col, self.row = nn.Linear(6, 8), nn.Linear(8, 3, bias=False)
+        for p in (*self.col.parameters(), *self.row.parameters()):
+            p.tensor_model_parallel = True
+        torch.manual_seed(0)
+        self.norm = nn.LayerNorm(3)
+
+    def forward(self, x):
+        return self.norm(SumAcrossRanks.apply(self.row(torch.relu(self.col(x)))))
+
+
+def differs_across_ranks(params) -> bool:
+    """The oracle: these tensors, gathered from every rank, are not all equal."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    return any(not torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def findings_of(mon: hs.Monitor) -> list[dict]:
+    return [
+        {"kind": f.kind, "module": f.module, "step": f.step, "message": f.message}
+        for f in mon.findings
+    ]
+
+
+def scenario_replicas(rank: int, out: dict, tmp: Path) -> None:
+    """Replicas that drift apart, each with its fixed twin: a checkpoint loaded on rank 0
+    after DDP's initial broadcast; a replicated LayerNorm clipped by each rank's own norm."""
+    data = batches(3)
+    for bug in (True, False):
+        torch.manual_seed(100)
+        checkpoint = mlp().state_dict()
+        torch.manual_seed(rank)  # each rank its own initialisation; DDP broadcasts rank 0's
+        model = mlp()
+        if rank == 0 and not bug:
+            model.load_state_dict(checkpoint)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        if rank == 0 and bug:
+            model.load_state_dict(checkpoint)
+        with hs.Monitor(ddp, every=2) as mon:
+            train(ddp, data, mon, rank=rank)
+        out[f"checkpoint_{bug}"] = {
+            "differs": differs_across_ranks(model.parameters()),
+            "findings": findings_of(mon),
+        }
+    for bug in (True, False):
+        model = TensorParallel(rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hs.Monitor(model, every=2, replicated="norm") as mon:
+            for x, y in data:  # every rank sees the whole batch
+                mse(model, x, y).backward()
+                if bug:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                else:  # one global norm: the shards' squares summed over the ranks
+                    shards = [*model.col.parameters(), *model.row.parameters()]
+                    sq = torch.stack([p.grad.pow(2).sum() for p in shards]).sum()
+                    dist.all_reduce(sq)
+                    sq = sq + sum(p.grad.pow(2).sum() for p in model.norm.parameters())
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.05, sq.sqrt())
+                opt.step()
+                opt.zero_grad()
+                mon.step()
+        out[f"tp_clip_{bug}"] = {
+            "differs": differs_across_ranks(model.norm.parameters()),
+            "findings": findings_of(mon),
+        }
+
+
+def scenario_clip_on_one_rank(rank: int, out: dict, tmp: Path) -> None:
+    """clip_grad_norm_ on rank 0 only: the Monitor's collective says so (it used to abort)."""
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(mlp())
+    opt = sgd(ddp.parameters())
+    out["clip_on_one_rank"] = None
+    with hs.Monitor(ddp, every=1) as mon:
+        for x, y in batches(2):
+            mse(ddp, x, y).backward()
+            if rank == 0:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            try:
+                mon.step()
+            except hs.HookscopeError as e:
+                out["clip_on_one_rank"] = str(e)
+                break
+
+
 def scenario_rank0_only(rank: int, out: dict, tmp: Path) -> None:
     """The mistake that hangs wandb.watch (wandb#7423): a Monitor built on rank 0 only.
     (Last: the timed-out collective stays pending on rank 0.)"""
@@ -232,6 +341,7 @@ def worker(rank: int, tmp: str) -> None:
     out: dict = {}
     try:
         scenarios = (scenario_ddp, scenario_gpt2, scenario_nan, scenario_fsdp, scenario_mismatch)
+        scenarios += (scenario_replicas, scenario_clip_on_one_rank)
         for scenario in (*scenarios, scenario_rank0_only):
             scenario(rank, out, tmp)
     finally:
@@ -385,3 +495,26 @@ def test_sync_false_keeps_one_log_per_rank_with_local_statistics(ranks):
     ]
     assert hs.read_log(tmp / "local" / "rank1")[0]["settings"]["rank"] == 1
     assert ranks[0]["local_mean"] != ranks[1]["local_mean"]
+
+
+@pytest.mark.parametrize("case", ["checkpoint", "tp_clip"])
+def test_replicas_that_drift_apart_are_found_at_the_first_sampled_step_naming_them(ranks, case):
+    for r in range(WORLD):
+        bug, fixed = ranks[r][f"{case}_True"], ranks[r][f"{case}_False"]
+        assert bug["differs"] and not fixed["differs"]  # the oracle: plain torch
+        replica = [f for f in bug["findings"] if f["kind"] == "replica_divergence"]
+        assert replica and {f["step"] for f in replica} == {0}, replica
+        if case == "tp_clip":  # only the replicated LayerNorm, never the shards
+            assert {f["module"] for f in replica} == {"norm"}
+            assert {f["message"].split("'")[1] for f in replica} <= {"norm.weight", "norm.bias"}
+        else:
+            assert {f["module"] for f in replica} == {"0", "2", "4"}
+        assert all("ranks [1] hold other values than rank 0" in f["message"] for f in replica)
+        assert [f for f in fixed["findings"] if f["kind"] == "replica_divergence"] == []
+
+
+def test_a_clip_on_one_rank_only_is_a_clear_error_on_every_rank_not_an_abort(ranks):
+    for r in range(WORLD):
+        error = ranks[r]["clip_on_one_rank"]
+        assert error is not None and "clip_grad_norm_ ran on 1 of the 2 ranks" in error
+        assert "Clip on every rank" in error

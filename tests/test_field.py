@@ -133,7 +133,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     keys = []
     for item in request.session.items:  # the tests selected in this module, in their order
         params = getattr(item, "callspec", None) and item.callspec.params
-        if item.module is not request.module or not params:
+        if getattr(item, "module", None) is not request.module or not params:
             continue
         case = params.get("case")
         keys.append((case.script, case.fault) if case else (params["script"], ""))

@@ -21,6 +21,7 @@ from _browser import CHROMIUM, Browser
 from _synthetic_log import write_log
 from hookscope._log import Cleared
 from hookscope._report._data import load_run
+from hookscope._report._html import HINTS
 from hookscope._report._payload import _buckets, decimate
 
 
@@ -107,7 +108,7 @@ def test_report_lists_findings_first_with_evidence_and_hint(html_path: Path) -> 
         html.index('id="findings"') : html.index("</section>", html.index('id="findings"'))
     ]
     assert "Findings (1)" in findings
-    assert "<td>bn</td>" in findings and ">12</td>" in findings
+    assert "<td>bn</td>" in findings and ">at step 12</td>" in findings
     assert (
         "bn output held 3 NaN values" in findings and "on_nonfinite=&#x27;raise&#x27;" in findings
     )
@@ -180,10 +181,15 @@ def test_report_separates_current_findings_from_cleared_ones(run_dir: Path, tmp_
     findings = html[
         html.index('id="findings"') : html.index("</section>", html.index('id="findings"'))
     ]
-    current, cleared = findings.split("Cleared (1)")
-    assert "Findings (2)" in current and "Current (1)" in current
-    assert "<td>bn</td>" in current and "<td>fc</td>" not in current
+    events, rest = findings.split("No current finding")
+    current, cleared = rest.split("Cleared (1)")
+    # The NaN is an event at its step: neither current forever nor cleared.
+    assert "Findings (2)" in events and "Events (1)" in events
+    assert "<td>bn</td>" in events and ">at step 12</td>" in events
+    assert "<td>fc</td>" not in events and "<td>bn</td>" not in current + cleared
     assert "<td>fc</td>" in cleared and ">9</td>" in cleared and "Cleared at" in cleared
+    flags = {f["kind"]: f.get("event") for f in _data(html)["runs"][0]["findings"]}
+    assert flags == {"nonfinite": True, "update_ratio": None}
 
 
 def test_report_lists_watched_modules_that_never_ran(tmp_path: Path) -> None:
@@ -343,3 +349,111 @@ def test_each_kind_of_report_renders_cleanly_in_chromium(run_dir: Path, tmp_path
         assert b.eval("hsCharts['curve:loss'].data[0].at(-1)") == 39
     for name in ("overlay", "report"):
         assert (tmp_path / f"{name}.png").stat().st_size > 20_000
+
+
+# -- the signals: loss spikes, outliers, evaluation passes, silent errors ----------------------
+
+SPIKE = 40  # the step a bad batch makes the loss spike at (tests/test_signals.py)
+
+
+@pytest.fixture(scope="module")
+def signals_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run: SGD on a linear target, a batch 30x too large at SPIKE (a loss spike and
+    its window), an evaluation pass every 10 steps (eval records), activations every 5
+    steps (kurtosis, absmax/RMS), and no zero_grad at the last step (stale_gradients)."""
+    path = tmp_path_factory.mktemp("signals")
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    with hs.Monitor(model, every=5, log_dir=path) as mon:
+        for step in range(SPIKE + 5):
+            x = torch.randn(64, 8, generator=g)
+            y = x @ w + 0.1 * torch.randn(64, 1, generator=g)
+            if step % 10 == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+            loss = (model(x * (30 if step == SPIKE else 1)) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+            if step < SPIKE + 3:
+                opt.zero_grad()
+            mon.step(loss=loss)
+    return path
+
+
+def test_report_shows_each_signal_the_monitor_logs(signals_dir: Path) -> None:
+    html = hs.report(signals_dir).read_text()
+    run = _data(html)["runs"][0]
+    kinds = {f["kind"] for f in run["findings"]}
+    assert {"loss_spike", "stale_gradients"} <= kinds
+    # The spike: an event at its step, with its window charted and tabled.
+    (window,) = run["windows"]
+    assert window["step"] == SPIKE and window["x"][-1] == SPIKE
+    assert window["scalars"]["loss"][-1] > 10 * window["scalars"]["loss"][0]
+    assert set(window["groups"]) == {"0", "2", "4"}
+    assert 'id="windows"' in html and '<table class="windows">' in html
+    assert f">at step {SPIKE}</td>" in html
+    # Outlier statistics per module, and the evaluation passes apart from training.
+    assert len(run["lines"]["act.kurtosis"]) == len(run["modules"])
+    assert len(run["lines"]["act.absmax_over_rms"]) == len(run["modules"])
+    assert run["evals"]["x"] == [0, 10, 20, 30, 40]
+    assert run["evals"]["modules"][:2] == ["0", "1"]
+    assert 'id="evals"' in html and '<table class="evals">' in html
+    # A hint for every kind found.
+    for kind in kinds:
+        assert HINTS[kind].split(":")[0].replace("'", "&#x27;") in html, kind
+
+
+def test_every_finding_kind_has_a_hint() -> None:
+    kinds = {
+        "nonfinite",
+        "exploding_gradient",
+        "vanishing_gradient",
+        "dead_units",
+        "saturated_units",
+        "update_ratio",
+        "loss_spike",
+        "massive_activations",
+        "not_updated",
+        "stale_gradients",
+        "eval_randomness",
+        "eval_mismatch",
+        "autocast_skipped",
+        "frozen_changed",
+        "replica_divergence",
+    }
+    assert kinds <= set(HINTS)
+
+
+@pytest.mark.browser
+@browser
+def test_signal_charts_draw_in_chromium(signals_dir: Path, tmp_path: Path) -> None:
+    page = hs.report(signals_dir, tmp_path / "signals.html")
+    with Browser(tmp_path / "profile") as b:
+        _open(b, page)
+        ids = set(b.eval("Object.keys(hsCharts)"))
+        spike = f"window:{signals_dir.name}:{SPIKE}"
+        assert {f"{spike}:scalars", f"{spike}:groups", f"eval:{signals_dir.name}"} <= ids
+        assert {"act.kurtosis:0", "act.absmax_over_rms:2"} <= ids
+        # The window's chart spans its own steps, ending at the spike; hover reads the loss.
+        lo, hi = b.eval(
+            f"[hsCharts['{spike}:scalars'].scales.x.min, hsCharts['{spike}:scalars'].scales.x.max]"
+        )
+        assert hi == SPIKE and lo < SPIKE
+        b.mouse("mouseMoved", *_at(b, f"{spike}:scalars", SPIKE - 0.3))  # snaps to the spike
+        step, loss = _legend(b, f"{spike}:scalars")[:2]
+        assert step == str(SPIKE) and float(loss) > 1
+        # Zooming the training charts leaves the window's own axis alone.
+        x0, y = _at(b, "curve:loss", 5)
+        x1, _ = _at(b, "curve:loss", 20)
+        b.drag(x0, x1, y)
+        assert b.eval(f"hsCharts['{spike}:scalars'].scales.x.max") == SPIKE
+        _clean(b, page)
+        b.screenshot(tmp_path / "signals.png")
+    assert (tmp_path / "signals.png").stat().st_size > 20_000

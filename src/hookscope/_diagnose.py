@@ -32,7 +32,9 @@ class Finding:
             ``"frozen_changed"`` and ``"replica_divergence"``; the large-model signals
             (``_monitor/_signals.py``): ``"loss_spike"`` (``module``: the parameter group
             whose gradient norm left its range first, ``""`` when none did) and
-            ``"massive_activations"``.
+            ``"massive_activations"``; with ``Monitor(precision=...)`` (``_monitor/_precision.py``),
+            ``"precision_underflow"`` and ``"precision_overflow"`` (``value``: the largest
+            fraction, over the module's output and its gradient and the dtypes named).
         module: Qualified name of the module (for ``update_ratio``, the parameter's module).
         step: The step it was first seen at (steps count from 0).
         value: The measured value that crossed the threshold.
@@ -173,6 +175,15 @@ class Thresholds:
             (two observations at least). Massive activations in LLMs reach thousands of times
             the median magnitude (Sun et al. 2024, "Massive activations in large language
             models"); the largest of 4096 normal values is about 4x their RMS.
+        underflow / overflow / precision_span: with ``Monitor(precision=...)``,
+            ``precision_underflow`` when more than ``underflow`` of a module's output or
+            output-gradient values would round to zero in a dtype named, and
+            ``precision_overflow`` when more than ``overflow`` (default: any) would exceed its
+            largest finite value, for ``precision_span`` training steps (two observations at
+            least): a dtype that loses a tenth of a tensor to zero loses that signal (float16
+            gradients without a loss scale; Micikevicius et al. 2018, "Mixed precision
+            training"), and one Inf in float16 makes the step's gradients non-finite. The
+            span lets a GradScaler's own overflow-and-back-off (one step in thousands) pass.
     """
 
     dead_unit: float = 0.7
@@ -200,6 +211,9 @@ class Thresholds:
     spike_lead: int = 20
     massive: float = 100.0
     massive_span: int = 20
+    underflow: float = 0.1
+    overflow: float = 0.0
+    precision_span: int = 20
 
 
 class Diagnosis:
@@ -224,6 +238,7 @@ class Diagnosis:
         self._ratio: dict[str, _Run] = {}  # parameter -> run of "high" / "low" / False
         self._no_grad: dict[str, _Run] = {}
         self._massive: dict[str, _Run] = {}  # module -> run of absmax_over_rms above threshold
+        self._lossy: dict[tuple[str, str], _Run] = {}  # (kind, module) -> run of values lost
         self._initial: dict[str, float] = {}  # RMS of each weight when first seen
         self._loss, self._norm = _Growth(), _Growth()
         self._diverging = _Run()
@@ -357,7 +372,12 @@ class Diagnosis:
     def _span(self, kind: str, family: str) -> int:
         if family == "step":
             return self.t.diverge_span
-        spans = {"update_ratio": self.t.update_span, "massive_activations": self.t.massive_span}
+        spans = {
+            "update_ratio": self.t.update_span,
+            "massive_activations": self.t.massive_span,
+            "precision_underflow": self.t.precision_span,
+            "precision_overflow": self.t.precision_span,
+        }
         return spans.get(kind, 0)
 
     # -- sampled steps ---------------------------------------------------------------------
@@ -367,6 +387,7 @@ class Diagnosis:
         found = self.training_step(step, record.scalars, updates=step - self._last_step)
         made = self._units(step, record.act)
         made += self._outliers(step, record.act)
+        made += self._precision(step, record.precision)
         made += self._gradients(step, record, graph)
         made += self._updates(step, record.param, graph)
         self._track(step, made, "sampled")
@@ -394,6 +415,25 @@ class Diagnosis:
                         "the normalisation before it, weight decay, or the learning rate",
                     )
                 )
+        return found
+
+    def _precision(self, step: int, precision: dict[str, dict]) -> list[Finding]:
+        """``precision_underflow`` / ``precision_overflow``: a module whose output or output
+        gradient loses more than ``underflow`` / ``overflow`` of its values in a dtype named
+        in ``Monitor(precision=...)``, for ``precision_span`` training steps."""
+        found = []
+        for name, kinds in precision.items():
+            for kind, limit in (("underflow", self.t.underflow), ("overflow", self.t.overflow)):
+                lost = [
+                    (fraction, dtype, tensor)
+                    for tensor, s in kinds.items()
+                    for dtype, fraction in s[kind].items()
+                    if fraction > limit
+                ]
+                run = self._lossy.setdefault((kind, name), _Run())
+                run.see(step, bool(lost))
+                if lost and run.lasted(self.t.precision_span):
+                    found.append(_precision_finding(kind, name, step, run.since, max(lost)))
         return found
 
     def _units(self, step: int, act: dict[str, dict[str, float]]) -> list[Finding]:
@@ -695,6 +735,38 @@ class Diagnosis:
                 "use its output, or freeze it on purpose with requires_grad=False",
             )
         ]
+
+
+_LOST = {
+    "underflow": (
+        "would round to zero",
+        "values that small lose their signal: keep that tensor in a wider dtype, scale it "
+        "(a GradScaler for float16 gradients; per-tensor scaling for fp8), or look for the "
+        "layer that shrinks it",
+    ),
+    "overflow": (
+        "would exceed the largest finite value",
+        "one Inf makes the step non-finite: keep that tensor in a wider dtype (bfloat16 has "
+        "float32's range), lower a GradScaler's scale, or look for the growth that made them "
+        "so large (massive activations, a high learning rate)",
+    ),
+}
+
+
+def _precision_finding(
+    kind: str, module: str, step: int, since: int, lost: tuple[float, str, str]
+) -> Finding:
+    fraction, dtype, tensor = lost
+    what = "output" if tensor == "act" else "output gradient (as backpropagated)"
+    happens, fix = _LOST[kind]
+    return Finding(
+        f"precision_{kind}",
+        module,
+        step,
+        fraction,
+        f"{fraction:.3g} of the {what} values of {module!r} {happens} in {dtype}, since step "
+        f"{since}: {fix}",
+    )
 
 
 def mark_cleared(findings: list[Finding], done: Finding) -> list[Finding]:

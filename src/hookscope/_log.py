@@ -22,6 +22,7 @@ __all__ = [
     "HOOKSCOPE_LOG",
     "LOG_NAME",
     "PARAM_STATS",
+    "PRECISION_STATS",
     "Cleared",
     "EvalRecord",
     "Event",
@@ -58,6 +59,9 @@ ACT_STATS = (
 GRAD_STATS = ("norm", "rms", "absmax", "numel", "sampled")
 PARAM_STATS = ("norm", "grad_norm", "update_ratio")
 BN_STATS = ("running_mean", "running_var", "mean_drift", "var_drift")
+# Per module and per kind ("act": its output, "grad": its output's gradient), with
+# Monitor(precision=...); "underflow" and "overflow" are {dtype name: fraction}.
+PRECISION_STATS = ("amax", "dynamic_range", "underflow", "overflow")
 
 
 @dataclass
@@ -77,7 +81,8 @@ class Header:
 
 @dataclass
 class StepRecord:
-    """One ``Monitor.step()``; the four groups are filled on sampled steps only."""
+    """One ``Monitor.step()``; the groups are filled on sampled steps only (``precision``
+    with ``Monitor(precision=...)``)."""
 
     step: int
     time: float
@@ -88,13 +93,14 @@ class StepRecord:
     grad: dict[str, dict[str, float]] = field(default_factory=dict)
     param: dict[str, dict[str, float]] = field(default_factory=dict)
     bn: dict[str, dict[str, float]] = field(default_factory=dict)
+    precision: dict[str, dict[str, Any]] = field(default_factory=dict)
     grad_order: list[str] = field(default_factory=list)
     type: str = "step"
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if not self.sampled:
-            for group in ("act", "grad", "param", "bn", "grad_order"):
+            for group in ("act", "grad", "param", "bn", "precision", "grad_order"):
                 del out[group]
         return out
 

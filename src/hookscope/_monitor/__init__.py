@@ -38,10 +38,11 @@ from .._version import __version__
 from ._buffer import Host, StepBuffer
 from ._calls import listen
 from ._checks import Checks, Context
-from ._dist import Collective, Entry, RankInfo, digest
+from ._dist import FOUND_SCALARS, Collective, Entry, RankInfo, digest
 from ._nonfinite import PASS_THROUGH, NonFiniteTrail
 from ._optim import OptimizerWatch
 from ._poisoned import PoisonedWeights
+from ._precision import Precision
 from ._probes import Activations, BatchNorms, OutputGrads, Params
 from ._signals import SpikeWatch
 from ._trace import Tape, replay, trace
@@ -113,6 +114,14 @@ class Monitor:
             every rank holds whole and equal; by default every plain-tensor parameter (DDP)
             not marked ``tensor_model_parallel=True``, and ``DTensor`` parameters replicated
             on every mesh dimension. A ``replica_divergence`` finding when they differ.
+        precision: Lower-precision dtypes to judge the watched modules' values against, any
+            of ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``: on sampled steps, per
+            module, for its output and its output's gradient (as backpropagated: scaled
+            under a GradScaler), the fraction of the sampled values that would round to zero
+            in each (``underflow``) and that would exceed its largest finite value
+            (``overflow``), ``amax`` and ``dynamic_range`` (``log2`` of the largest over the
+            smallest non-zero magnitude), in the step record's ``precision`` group; findings
+            ``precision_underflow`` and ``precision_overflow`` (``_precision.py``).
 
     Checks of invariants run on every Monitor (``_checks/``): ``not_updated``,
     ``stale_gradients``, ``eval_randomness``, ``eval_mismatch``, ``autocast_skipped``, and
@@ -124,7 +133,9 @@ class Monitor:
     a ``loss_spike`` finding names the group whose norm left its own range first, with the
     window in the log (``record_on=("loss_spike",)`` records the step). Sampled steps add
     each module's ``kurtosis`` and ``absmax_over_rms``, and ``massive_activations`` when the
-    latter stays high.
+    latter stays high. ``precision=`` adds what lower-precision dtypes would lose; a
+    GradScaler's scale is logged as the scalar ``grad_scale``, the steps it skips as
+    ``skipped_step`` events.
 
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
     before it. Statistics are collected from modules in training mode; evaluation passes
@@ -162,6 +173,7 @@ class Monitor:
         sync: bool | None = None,
         frozen: Where | None = None,
         replicated: Where | None = None,
+        precision: Sequence[str] = (),
         **threshold_overrides: float,
     ) -> None:
         if every is not None and (not isinstance(every, int) or every < 1):
@@ -202,6 +214,7 @@ class Monitor:
             bins=bins if histograms else None,
         )
         self._grads = OutputGrads(sampler, self.modules, world=self._world)
+        self._precision = Precision(precision, sampler, self.modules) if precision else None
         self._params = Params(model, sampler)
         self._poison = PoisonedWeights(self._params.params)
         self._spikes = SpikeWatch(list(self._params.params), self.thresholds)
@@ -248,6 +261,8 @@ class Monitor:
         self._hooks_ran = self._backward_ran = self._warned_unhooked = False
         self._loss: torch.Tensor | None = None  # this step's backpropagated loss
         self._clip_norms: list[tuple[torch.Tensor, float]] = []  # clip_grad_norm_'s, pre-clip
+        self._scale: torch.Tensor | None = None  # the GradScaler scale of this step's loss
+        self._scaler_skips: list[torch.optim.Optimizer] = []  # steps GradScaler skipped
         self._listener = _Calls(self)
         self._stop_listening = lambda: None
         self._checks: Checks | None = None
@@ -305,6 +320,7 @@ class Monitor:
                 "histograms": histograms,
                 "bins": bins,
                 "thresholds": asdict(self.thresholds),
+                "precision": self._precision.names if self._precision is not None else [],
             }
             if self._coll is not None:
                 layout = {
@@ -391,6 +407,8 @@ class Monitor:
                 self._trail.detached.add(name)
         if sampled and module.training:
             self._acts.forward(self._buf, name, outs)
+            if self._precision is not None:
+                self._precision.forward(self._buf, name, outs)
 
     def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Unsampled steps: flag the inputs and outputs of each outermost call into the model
@@ -430,6 +448,8 @@ class Monitor:
         self._trail.backward(self._buf, name, grad)
         if self.sampled:
             self._grads.backward(self._buf, name, grad)
+            if self._precision is not None:
+                self._precision.backward(self._buf, name, grad)
 
     def _read_grads(self, optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
         if self.sampled:
@@ -497,7 +517,9 @@ class Monitor:
         ``loss`` need not be given: it is the scalar the step's ``backward()`` started from
         (summed over the backward passes of an accumulated step, unscaled behind
         ``GradScaler``), and ``grad_norm`` is the total norm ``clip_grad_norm_`` measured
-        before clipping, when the step clipped. Scalars given here win.
+        before clipping, when the step clipped; ``grad_scale`` is the scale of a GradScaler
+        that scaled the loss (the output gradients are logged divided by it). Scalars given
+        here win.
 
         What the hooks gathered moves to the host in one transfer (with an optimizer, the
         non-finite flags already moved just before its update; this carries the rest).
@@ -532,8 +554,10 @@ class Monitor:
         record.scalars.update(plain)
         record.scalars.update(self._learning_rates())
         if sampled:
-            for probe in (self._acts, self._grads, self._params, self._bns):
-                probe.read(host, record)
+            self._grads.unscale(record.scalars.get("grad_scale"))
+            for probe in (self._acts, self._grads, self._params, self._bns, self._precision):
+                if probe is not None:
+                    probe.read(host, record)
         found = []
         if self._nonfinite is None:
             if info is None:
@@ -566,7 +590,9 @@ class Monitor:
             self._write(asdict(Cleared.of(done)))
         if poisoned is not None:  # its own finding, also where its cause named the same module
             new += self._report([poisoned], before_update=False, always=True)
-        if self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:
+        if self._scaler_skips:
+            self._write_event("skipped_step", self._scaler_skip_message(step, record.scalars))
+        elif self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:
             self._write_event(
                 "skipped_step",
                 f"step {step}: optimizer.step() did not run (e.g. GradScaler skipped it after "
@@ -577,6 +603,15 @@ class Monitor:
         if self.on_nonfinite == "raise" and nonfinite is not None and nonfinite in new:
             raise self._error(nonfinite)
         return early + new
+
+    def _scaler_skip_message(self, step: int, scalars: dict[str, float]) -> str:
+        names = ", ".join(dict.fromkeys(type(o).__name__ for o in self._scaler_skips))
+        scale = scalars.get("grad_scale")
+        at = "" if scale is None else f" at loss scale {scale:g}"
+        return (
+            f"step {step}: GradScaler skipped the step of {names}: its gradients held Inf/NaN"
+            f"{at} (weights and optimizer state unchanged; the scaler lowers its scale)"
+        )
 
     def _warn_if_unhooked(self, step: int) -> None:
         """Never silent: a step that ran a backward pass and updated the model, while none of
@@ -602,11 +637,14 @@ class Monitor:
         )
 
     def _found_scalars(self) -> dict[str, torch.Tensor]:
-        """The step's loss (the sum of the scalars its backward passes started from) and,
-        when it was clipped, the gradient norm ``clip_grad_norm_`` measured before clipping."""
+        """The step's loss (the sum of the scalars its backward passes started from), the
+        scale a GradScaler multiplied it by (``grad_scale``) and, when it was clipped, the
+        gradient norm ``clip_grad_norm_`` measured before clipping."""
         found = {}
         if self._loss is not None:
             found["loss"] = self._loss
+        if self._scale is not None:
+            found["grad_scale"] = self._scale
         if self._clip_norms:
             norms = [n.float().reshape(()) for n, _ in self._clip_norms]
             p = self._clip_norms[0][1]  # several clips (one per model part): their norm
@@ -619,10 +657,15 @@ class Monitor:
         layout = self._layouts.get(key)
         if layout is None:
             rank = self._coll.rank
-            layout = [Entry(("scalar", k), 1, "sum") for k in scalars]
+            # The scalars the Monitor finds itself always have a slot: a clip_grad_norm_
+            # run on some ranks only then gets a clear error, not collectives of two sizes.
+            names = sorted({*scalars, *FOUND_SCALARS})
+            layout = [Entry(("scalar", k), 1, "sum") for k in names]
             if sampled:
                 layout += self._acts.layout(rank) + self._grads.layout()
                 layout += self._params.layout(rank) + self._bns.layout(rank)
+                if self._precision is not None:
+                    layout += self._precision.layout()
                 layout += self._checks.layout(rank)
             layout = self._layouts[key] = layout
         return layout
@@ -788,6 +831,7 @@ class Monitor:
         self._nonfinite = None
         self._early = []
         self._loss, self._clip_norms = None, []
+        self._scale, self._scaler_skips = None, []
         self._hooks_ran = self._backward_ran = False
         self.step_count += 1
         self._sampled_now = self.sampled
@@ -912,6 +956,19 @@ class _Calls:
         if loss is None or m._grad_calls == calls or m._tape.paused:
             return  # it did not reach the model, or it is a replay of ours
         m._loss = loss if fresh or m._loss is None else m._loss + loss.to(m._loss.device)
+
+    def loss_scaled(self, token: tuple[int, bool], scale: torch.Tensor) -> None:
+        """The loss was multiplied by a GradScaler's ``scale``: logged as ``grad_scale``
+        when that backward pass reached the model."""
+        m = self.monitor
+        if m._grad_calls != token[0] and not m._tape.paused:
+            m._scale = scale
+
+    def scaler_skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler skipped ``optimizer.step()`` (Inf/NaN gradients): the step's one
+        ``skipped_step`` event says so, with the scale."""
+        if self._concerns([p for g in optimizer.param_groups for p in g["params"]]):
+            self.monitor._scaler_skips.append(optimizer)
 
     def before_clip(self, params: list[torch.Tensor]) -> None:
         if self._concerns(params):

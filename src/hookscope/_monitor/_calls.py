@@ -6,7 +6,8 @@ Hooks on modules and tensors cannot see three things a training step does around
   ``loss`` of ``logits, loss = model(x, y)``, or ``F.cross_entropy`` in the training loop);
 - the gradients *before* ``clip_grad_norm_`` / ``clip_grad_value_`` change them in place (the
   optimizer's pre-hook comes too late: a diverging run would log the clip value);
-- the loss behind ``GradScaler.scale(loss)``, which is what is backpropagated under AMP;
+- the loss behind ``GradScaler.scale(loss)``, which is what is backpropagated under AMP,
+  and the scale that multiplied it;
 - a ``GradScaler.step(optimizer)`` that skipped the optimizer's step (non-finite gradients):
   no optimizer hook runs then, yet the training step is over.
 
@@ -29,10 +30,12 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.amp import grad_scaler
 
-__all__ = ["Listener", "listen", "loss_of"]
+__all__ = ["Listener", "listen", "loss_of", "scale_of"]
 
-# The attribute a scaled loss carries: the loss before ``GradScaler.scale``.
+# The attributes a scaled loss carries: the loss before ``GradScaler.scale``, and the scale
+# that multiplied it (a device tensor, copied: ``GradScaler.update`` changes its own in place).
 _UNSCALED = "_hookscope_unscaled"
+_SCALE = "_hookscope_scale"
 
 
 class Listener(Protocol):
@@ -43,6 +46,10 @@ class Listener(Protocol):
     Inf/NaN gradients): that training step ended without an update. It is optional (called
     only where present): a Monitor whose loop calls ``step()`` itself needs no word of it;
     ``hookscope watch``, which ends steps from optimizer hooks, does.
+
+    It may have ``loss_scaled(token, scale)`` too, called after ``after_backward`` when the
+    backward pass started from a loss ``GradScaler.scale`` multiplied: ``scale`` is that
+    factor, a one-element tensor on the scaler's device (no host sync here).
     """
 
     def before_backward(self) -> Any:
@@ -91,8 +98,12 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         tokens = [listener.before_backward() for listener in listeners]
         result = original(tensors, *args, **kwargs)
         loss = loss_of(tensors)
+        scale = scale_of(tensors)
         for listener, token in zip(listeners, tokens, strict=True):
             listener.after_backward(token, loss)
+            loss_scaled = getattr(listener, "loss_scaled", None)
+            if scale is not None and loss_scaled is not None:
+                loss_scaled(token, scale)
         return result
 
     return backward
@@ -123,6 +134,9 @@ def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
         scaled = original(self, outputs)
         if isinstance(outputs, torch.Tensor) and scaled is not outputs:
             setattr(scaled, _UNSCALED, outputs)  # dies with the scaled loss
+            factor = getattr(self, "_scale", None)
+            if isinstance(factor, torch.Tensor) and _live():
+                setattr(scaled, _SCALE, factor.detach().clone())
         return scaled
 
     return scale
@@ -164,6 +178,17 @@ def loss_of(tensors: Any) -> torch.Tensor | None:
     for t in scalars[1:]:
         total = total + t.reshape(1).float().to(total.device)
     return total
+
+
+def scale_of(tensors: Any) -> torch.Tensor | None:
+    """The ``GradScaler`` scale that multiplied a root of a backward pass (the first such
+    root's), as a float32 one-element tensor; ``None`` when no root was scaled."""
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for t in roots:
+        scale = getattr(t, _SCALE, None)
+        if scale is not None:
+            return scale.detach().float().reshape(1)
+    return None
 
 
 _TARGETS: list[tuple[Any, str, Callable[[Any], Any]]] = [

@@ -36,11 +36,23 @@ import torch.distributed as dist
 from .._errors import HookscopeError
 from ._buffer import Host, StepBuffer
 
-__all__ = ["Collective", "Entry", "RankInfo", "digest", "local", "sharded_contributes"]
+__all__ = [
+    "FOUND_SCALARS",
+    "Collective",
+    "Entry",
+    "RankInfo",
+    "digest",
+    "local",
+    "sharded_contributes",
+]
 
 # Seconds to wait for every rank at the handshake before saying what is wrong.
 HANDSHAKE_TIMEOUT = 300.0
 PHASES = ("forward", "backward", "param")
+# The tensor scalars a Monitor finds by itself (the loss of backward(), the norm
+# clip_grad_norm_ measured): always in the layout, so that a rank without one (a clip run
+# on some ranks only) sends a vector of the same size and gets a clear error.
+FOUND_SCALARS = ("grad_norm", "loss")
 
 
 @dataclass(frozen=True)
@@ -194,16 +206,13 @@ class Collective:
         blocks, own = flat[: self.world * width], flat[self.world * width :]
         info = _info(blocks, self.world, width)
         digests = {blocks[r * width + 4] for r in range(self.world)}
-        if len(set(info.steps)) > 1 or len(digests) > 1:
-            what = (
-                f"their Monitors are at steps {info.steps}"
-                if len(set(info.steps)) > 1
-                else "step() got tensor scalars of different names"
-            )
+        if len(set(info.steps)) > 1:
             raise HookscopeError(
-                f"the ranks are out of step: {what}. Call mon.step() once per training step "
-                "on every rank, with the same scalars."
+                f"the ranks are out of step: their Monitors are at steps {info.steps}. Call "
+                "mon.step() once per training step on every rank, with the same scalars."
             )
+        if len(digests) > 1:
+            raise HookscopeError(self._uneven_scalars(layout, counts))
         host: Host = {}
         at_sum, at_ext = 0, 5
         for entry, count in zip(layout, counts, strict=True):
@@ -226,6 +235,31 @@ class Collective:
             at += part.numel()
         buf.absorb(host)
         return buf.to_host(), info
+
+    def _uneven_scalars(self, layout: Sequence[Entry], counts: list[float]) -> str:
+        """Why the ranks' tensor scalars differ, naming the scalar and its likely cause."""
+        uneven = [
+            (entry.key[1], int(count))
+            for entry, count in zip(layout, counts, strict=True)
+            if isinstance(entry.key, tuple) and entry.key[0] == "scalar" and 0 < count < self.world
+        ]
+        if any(name == "grad_norm" for name, _ in uneven):
+            n = dict(uneven)["grad_norm"]
+            return (
+                f"rank {self.rank}: clip_grad_norm_ ran on {n} of the {self.world} ranks this "
+                "step (the Monitor logs the norm it measured as grad_norm): the ranks clip "
+                "differently, so their replicas drift apart. Clip on every rank, with the "
+                "same max_norm (or pass sync=False for independent per-rank logs)."
+            )
+        what = (
+            ", ".join(f"{name!r} on {n} of {self.world} ranks" for name, n in uneven)
+            if uneven
+            else "tensor scalars of different names"
+        )
+        return (
+            f"rank {self.rank}: the ranks are out of step: step() got {what}. Call mon.step() "
+            "once per training step on every rank, with the same scalars."
+        )
 
     def broadcast(self, obj: object, src: int) -> object:
         """``obj`` from rank ``src`` on every rank (only when a finding must be shared)."""

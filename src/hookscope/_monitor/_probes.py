@@ -111,7 +111,8 @@ class Activations:
 
 
 class OutputGrads:
-    """Norm, RMS and largest magnitude of the gradient of each module's output."""
+    """Norm, RMS and largest magnitude of the gradient of each module's output (divided by
+    the GradScaler scale that multiplied the loss, if any: the loss's own gradient)."""
 
     def __init__(self, sampler: Sampler, names: Iterable[str], *, world: int = 1) -> None:
         self.sampler = sampler
@@ -120,6 +121,7 @@ class OutputGrads:
         # Data-parallel training averages the ranks' losses: the gradient of the global loss
         # with respect to one rank's output is that rank's gradient divided by the world.
         self.scale = 1.0 / world
+        self.loss_scale = 1.0  # a GradScaler's, this step: the hooks see scaled gradients
 
     def backward(self, buf: StepBuffer, name: str, grad: torch.Tensor) -> None:
         x = self.sampler(grad.detach())
@@ -143,18 +145,26 @@ class OutputGrads:
             self.order += [n for n in self.names if ("grad", n) in host and n not in self.order]
         for name in self.order:
             sumsq, n, numel = host[("grad", name)]
-            ms = sumsq / max(n, 1.0) * self.scale**2
+            scale = self.scale / self.loss_scale
+            ms = sumsq / max(n, 1.0) * scale**2
             record.grad[name] = {
                 "norm": math.sqrt(ms * numel),
                 "rms": math.sqrt(ms),
-                "absmax": host[("grad_absmax", name)][0] * self.scale,
+                "absmax": host[("grad_absmax", name)][0] * scale,
                 "numel": int(numel),
                 "sampled": int(n),
             }
         record.grad_order = list(self.order)
 
+    def unscale(self, loss_scale: float | None) -> None:
+        """This step's loss was multiplied by ``loss_scale`` (a GradScaler's): divide the
+        gradients by it when reading them, so that they are the loss's own."""
+        ok = loss_scale is not None and math.isfinite(loss_scale) and loss_scale > 0
+        self.loss_scale = loss_scale if ok else 1.0
+
     def reset(self) -> None:
         self.order.clear()
+        self.loss_scale = 1.0
 
 
 class Params:

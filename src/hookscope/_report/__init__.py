@@ -80,7 +80,8 @@ def report(log_dir: str | Path | Sequence[str | Path], out: str | Path | None = 
     for run in runs:
         body.append(_per_run(run, many, _findings(run), "findings"))
     body.append(_nan(runs))
-    body += [_curves(runs), _modules(runs), _heatmaps(runs), _feature_maps(runs)]
+    body += [_curves(runs), _windows(runs), _modules(runs), _evals(runs)]
+    body += [_heatmaps(runs), _feature_maps(runs)]
     for run in runs:
         body += [
             _per_run(run, many, _summary(run), "summary"),
@@ -147,18 +148,29 @@ def _per_run(run: Run, many: bool, html: str, ident: str) -> str:
 
 def _findings(run: Run) -> str:
     current, cleared = run.split_findings()
+    events = run.event_findings()
     never = _never_ran(run)
-    if not current and not cleared:
+    if not current and not cleared and not events:
         ok = '<p class="ok">No findings: every check passed.</p>'
         return section("findings", "Findings", ok + never)
     head = ["Kind", "Module", "Where (phase, op, line)", "Step", "Value", "Evidence", "Hint"]
     parts = ['<div id="hs-timeline"></div>']
+    if events:
+        rows = [_finding_row(f) for f in events]
+        rows = [[*r[:3], f"at step {r[3]}", *r[4:]] for r in rows]
+        parts.append(
+            f"<h3>Events ({len(events)}): they happened at the step shown (a NaN appearing, "
+            "the loss spiking); they neither persist nor clear</h3>"
+        )
+        parts.append(
+            table(head, rows, cls="events", row_cls=[f"kind-{f.get('kind', '')}" for f in events])
+        )
     if current:
         rows = [_finding_row(f) for f in current]
         classes = [f"kind-{f.get('kind', '')}" for f in current]
         parts.append(f"<h3>Current ({len(current)})</h3>")
         parts.append(table(head, rows, cls="findings", row_cls=classes))
-    else:
+    elif cleared:
         parts.append('<p class="ok">No current finding: every one below has cleared.</p>')
     if cleared:
         rows = [[*_finding_row(f)[:4], f["cleared_at"], *_finding_row(f)[4:]] for f in cleared]
@@ -167,7 +179,7 @@ def _findings(run: Run) -> str:
             "shown and stayed away</h3>"
         )
         parts.append(table([*head[:4], "Cleared at", *head[4:]], rows, cls="cleared"))
-    title = f"Findings ({len(current) + len(cleared)})"
+    title = f"Findings ({len(events) + len(current) + len(cleared)})"
     return section("findings", title, "".join(parts) + never)
 
 
@@ -251,6 +263,75 @@ def _curves(runs: list[Run]) -> str:
         "Loss and learning rate",
         notes + '<div id="hs-curves" class="grid"></div>' + summary,
     )
+
+
+def _windows(runs: list[Run]) -> str:
+    """The steps before each loss spike: the loss and each parameter group's gradient norm,
+    so the group whose gradients rose first shows as the line that leaves its range first."""
+    windows = [(run, w) for run in runs for w in run.windows]
+    if not windows:
+        return ""
+    rows = []
+    for run, w in windows:
+        found = next(
+            (
+                f
+                for f in run.findings
+                if f.get("kind") == w.get("kind") and f.get("step") == w.get("step")
+            ),
+            {},
+        )
+        name = f"{run.label}: " if len(runs) > 1 else ""
+        rows.append(
+            [
+                f"{name}{w.get('kind', '')}",
+                w.get("step", ""),
+                found.get("module") or "",
+                found.get("message", ""),
+            ]
+        )
+    note = (
+        '<p class="help">Each window: the steps the Monitor kept up to the spike (red line); '
+        "left, the step's scalars; right, the L1 norm of each parameter group's gradients (log).</p>"
+    )
+    return section(
+        "windows",
+        "Around each loss spike",
+        note
+        + '<div id="hs-windows"></div>'
+        + table(["Kind", "Step", "Group that rose first", "Message"], rows, cls="windows"),
+    )
+
+
+def _evals(runs: list[Run]) -> str:
+    """Evaluation passes apart from training: their output RMS per module, and the last
+    one's statistics next to the training step before it."""
+    if not any(r.evals for r in runs):
+        return ""
+    parts = [
+        '<p class="help">Forwards run in eval mode, logged apart: training statistics never '
+        "include them. A module whose evaluation RMS is 100x off its training RMS is an "
+        "<code>eval_mismatch</code> finding.</p>",
+        '<div id="hs-evals" class="grid"></div>',
+    ]
+    for run in runs:
+        if not run.evals:
+            continue
+        last = run.evals[-1]
+        step = int(last.get("step") or 0)
+        train = run.last_sampled_before(step + 1) or {}
+        act = train.get("act") or {}
+        rows = []
+        for name, e in (last.get("modules") or {}).items():
+            t = act.get(name) or {}
+            rms = math.hypot(t["mean"], t["std"]) if "mean" in t and "std" in t else None
+            rows.append([name, e.get("rms"), e.get("absmax"), e.get("calls"), rms])
+        label = f"{escape(run.label)}: " if len(runs) > 1 else ""
+        where = f", training at step {train['step']}" if train else ""
+        parts.append(f"<h3>{label}Evaluation at step {step} ({len(run.evals)} in all){where}</h3>")
+        head = ["Module", "Eval RMS", "Eval |x| max", "Calls", "Training RMS"]
+        parts.append(table(head, rows, cls="evals"))
+    return section("evals", "Evaluation passes", "".join(parts))
 
 
 def _modules(runs: list[Run]) -> str:

@@ -9,7 +9,11 @@ from typing import Any
 
 from .._log import LOG_NAME, log_path, read_log
 
-__all__ = ["LOG_NAME", "Run", "load_run", "log_path"]
+__all__ = ["EVENT_KINDS", "LOG_NAME", "Run", "load_run", "log_path"]
+
+# Findings that are events at a step, not conditions that hold and then clear: the Monitor
+# writes no ``cleared`` record for them, so "current" would say the NaN is there forever.
+EVENT_KINDS = frozenset({"nonfinite", "loss_spike"})
 
 
 @dataclass
@@ -23,6 +27,8 @@ class Run:
     cleared: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     feature_maps: list[dict[str, Any]] = field(default_factory=list)
+    windows: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
     name: str = ""
 
@@ -32,18 +38,26 @@ class Run:
 
     def split_findings(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """``(current, cleared)``: each finding with ``cleared_at`` set from the log's
-        ``cleared`` records (matched by kind, module and the step it was found at)."""
+        ``cleared`` records (matched by kind, module and the step it was found at). Findings
+        of an event kind (:data:`EVENT_KINDS`) are in neither: see :meth:`event_findings`."""
         ends = {
             (c.get("kind"), c.get("module"), c.get("found_at")): c.get("step") for c in self.cleared
         }
         current, cleared = [], []
         for f in self.findings:
+            if f.get("kind") in EVENT_KINDS:
+                continue
             end = ends.get((f.get("kind"), f.get("module"), f.get("step")), f.get("cleared_at"))
             if end is None:
                 current.append(f)
             else:
                 cleared.append({**f, "cleared_at": end})
         return current, cleared
+
+    def event_findings(self) -> list[dict[str, Any]]:
+        """Findings that happened at one step (a NaN appearing, the loss spiking): no
+        condition goes on holding after them, so none is ever cleared, nor is it current."""
+        return [f for f in self.findings if f.get("kind") in EVENT_KINDS]
 
     def never_ran(self) -> list[str]:
         """Watched modules (the header's) that are in no sampled step's statistics: never
@@ -178,6 +192,10 @@ def load_run(log_dir: str | Path) -> Run:
             run.events.append(rec)
         elif kind == "feature_maps":
             run.feature_maps.append(rec)
+        elif kind == "window":
+            run.windows.append(rec)
+        elif kind == "eval":
+            run.evals.append(rec)
         elif kind == "summary":
             run.summary = rec
     return run

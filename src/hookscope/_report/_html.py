@@ -28,6 +28,26 @@ HINTS = {
     "saturated_units": "Units sit at the activation's limits: normalize the inputs, scale down the "
     "initialization or use a non-saturating activation.",
     "update_ratio": "Updates are far from ~1e-3 of the weights: adjust this layer's learning rate.",
+    "loss_spike": "The loss jumped far above its recent range: look at that step's batch, and at "
+    "the group named here, whose gradients rose first (the window below); lower the learning "
+    "rate or clip gradients if spikes recur.",
+    "massive_activations": "A few values dwarf the rest of this output (absmax/RMS >= 100): they "
+    "break low-precision formats and quantization; consider normalization or outlier-aware "
+    "quantization.",
+    "not_updated": "The optimizer step left these weights unchanged: check that they are in the "
+    "optimizer's parameter groups (build it after moving or wrapping the model) and trainable.",
+    "stale_gradients": "Gradients from the previous step were added to this one: call "
+    "optimizer.zero_grad() every step (or every N steps when accumulating on purpose).",
+    "eval_randomness": "Random numbers drawn in eval mode: call model.eval() on this module too, "
+    "or pass training=self.training to functional dropout.",
+    "eval_mismatch": "Evaluation outputs are on another scale than training ones: check "
+    "BatchNorm running statistics, train/eval branches and a forgotten model.train().",
+    "autocast_skipped": "This layer ran outside autocast's dtype: it keeps full precision (and "
+    "speed); check for explicit casts or a custom op autocast does not cover.",
+    "frozen_changed": "A frozen module's weights or buffers changed: set requires_grad_(False), "
+    "keep them out of the optimizer and put BatchNorm in eval mode.",
+    "replica_divergence": "Ranks hold different copies of a replicated parameter: check that every "
+    "rank starts from the same seed/checkpoint and no rank-local update bypasses DDP.",
 }
 
 _CSS = """
@@ -42,6 +62,7 @@ th,td{border-bottom:1px solid #e6e9ee;padding:3px 8px;text-align:left;vertical-a
 th{background:#f0f2f5} td.num{text-align:right;font-variant-numeric:tabular-nums}
 tr.kind-nonfinite td:first-child,tr.kind-exploding_gradient td:first-child{color:#b3261e;font-weight:600}
 tr.kind-vanishing_gradient td:first-child,tr.kind-dead_units td:first-child{color:#a15c00;font-weight:600}
+tr.kind-loss_spike td:first-child{color:#b3261e;font-weight:600}
 nav{font-size:13px;margin:10px 0 0} nav a{color:#9cc8f0;margin-right:14px;text-decoration:none}
 .grid{display:flex;flex-wrap:wrap;gap:6px 14px} .panel{margin:4px 0}
 .uplot{font-family:system-ui,sans-serif} .u-title{font-size:12px!important;font-weight:600!important}

@@ -33,7 +33,10 @@ LINE_STATS = (
     ("act", "std", False),
     ("act", "zero_frac", False),
     ("grad", "norm", True),
+    ("act", "kurtosis", True),  # 3 for normal values; outliers drive it to 100s
+    ("act", "absmax_over_rms", True),  # massive activations: >= thresholds.massive (100)
 )
+EVAL_MODULES = 12  # modules drawn on the evaluation chart (all are in its table)
 
 
 class Raw(str):
@@ -71,6 +74,8 @@ def _run(run: Run) -> dict[str, Any]:
         "events": [{"step": e.get("step"), "kind": e.get("kind")} for e in run.events],
         "nan": nan,
         "maps": [_feature_map(r) for r in run.feature_maps],
+        "windows": [_window(w) for w in run.windows],
+        "evals": _evals(run, order),
         "first": int(run.steps[0]["step"]) if run.steps else 0,
         "last": int(run.steps[-1]["step"]) if run.steps else 0,
     }
@@ -298,7 +303,58 @@ def _feature_map(record: dict[str, Any]) -> dict[str, Any]:
 def _findings(run: Run) -> list[dict[str, Any]]:
     current, cleared = run.split_findings()
     keys = ("kind", "module", "step", "cleared_at", "message")
-    return [{k: f.get(k) for k in keys} for f in sorted([*current, *cleared], key=_at)]
+    events = [{**f, "event": True} for f in run.event_findings()]
+    return [
+        {k: f.get(k) for k in (*keys, "event")}
+        for f in sorted([*current, *cleared, *events], key=_at)
+    ]
+
+
+# -- signals: loss-spike windows and evaluation passes ----------------------------------------
+
+
+def _window(record: dict[str, Any]) -> dict[str, Any]:
+    """The steps around a loss spike as the Monitor kept them: the step scalars and each
+    parameter group's gradient L1 norm (a few dozen points: nothing to decimate)."""
+    steps = np.asarray(record.get("steps") or [], dtype=np.int64)
+    return {
+        "step": record.get("step"),
+        "kind": record.get("kind"),
+        "x": _ints(steps),
+        "scalars": {n: _floats(np.asarray(v, dtype=float)) for n, v in _rows(record, "scalars")},
+        "groups": {n: _floats(np.asarray(v, dtype=float)) for n, v in _rows(record, "groups")},
+    }
+
+
+def _rows(record: dict[str, Any], key: str) -> list[tuple[str, list[float]]]:
+    width = len(record.get("steps") or [])
+    return [
+        (str(n), [_f(x) for x in v])
+        for n, v in (record.get(key) or {}).items()
+        if isinstance(v, list) and len(v) == width
+    ]
+
+
+def _evals(run: Run, order: list[str]) -> dict[str, Any] | None:
+    """Output RMS of each module at each evaluation, in execution order; the first
+    ``EVAL_MODULES`` modules are drawn."""
+    if not run.evals:
+        return None
+    names: list[str] = []
+    for e in run.evals:
+        names += [n for n in e.get("modules") or {} if n not in names]
+    rank = {n: i for i, n in enumerate(order)}
+    names.sort(key=lambda n: rank.get(n, len(rank)))
+    names = names[:EVAL_MODULES]
+    m = np.full((len(names), len(run.evals)), np.nan)
+    for j, e in enumerate(run.evals):
+        for i, n in enumerate(names):
+            m[i, j] = _f(((e.get("modules") or {}).get(n) or {}).get("rms"))
+    return {
+        "x": _ints([int(e.get("step") or 0) for e in run.evals]),
+        "modules": names,
+        "rms": [_floats(np.where(r > 0, r, np.nan)) for r in m],
+    }
 
 
 def _at(f: dict[str, Any]) -> tuple[int, str]:

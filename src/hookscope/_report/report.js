@@ -148,15 +148,16 @@
         { size: 34, font: "11px system-ui", values: (u, s, a, sp, incr) => linTicks(u, s, a, sp, Math.max(1, incr)) },
         { size: 62, font: "11px system-ui", values: spec.log ? logTicks : linTicks },
       ],
-      hooks: { setScale: [shareZoom], setCursor: [shareCursor] },
+      hooks: spec.own ? {} : { setScale: [shareZoom], setCursor: [shareCursor] },
       plugins: [marksPlugin(spec.marks || [], spec.guide)],
     };
+    if (spec.own) opts.cursor.sync = { key: spec.own, setSeries: false };
     const u = new uPlot(opts, data, el);
     // the band's edges are drawn, not listed: hide their legend rows
     series.forEach((s, i) => {
       if (s.stroke === "transparent") u.root.querySelectorAll(".u-legend .u-series")[i].style.display = "none";
     });
-    charts.push(u);
+    if (!spec.own) charts.push(u);
     window.hsCharts[spec.id] = u;
     return u;
   }
@@ -214,7 +215,11 @@
     "act.mean": "activation mean \u00b1 std",
     "act.zero_frac": "fraction of zeros in the output",
     "grad.norm": "gradient norm of the output (log)",
+    "act.kurtosis": "kurtosis of the output (log; 3 for normal values)",
+    "act.absmax_over_rms": "largest |value| over RMS of the output (log; dashed: 100, massive activations)",
   };
+  const LOG = { "grad.norm": true, "act.kurtosis": true, "act.absmax_over_rms": true };
+  const GUIDE = { "act.kurtosis": 3, "act.absmax_over_rms": 100 };
   function drawModules() {
     const el = document.getElementById("hs-modules");
     if (!el) return;
@@ -237,7 +242,7 @@
           series.push({ label: RUNS.length > 1 ? r.label : stat.split(".")[1], x: r.x, y, band, color: COLORS[i % COLORS.length] });
         });
         if (!series.length) continue;
-        lineChart(panel(grid), { id: stat + ":" + m, title: m, width: w, height: 150, log: stat === "grad.norm",
+        lineChart(panel(grid), { id: stat + ":" + m, title: m, width: w, height: 150, log: !!LOG[stat], guide: GUIDE[stat],
           series, marks: runMarks(RUNS[0], m) });
       }
     }
@@ -276,13 +281,14 @@
       rows.forEach((f, i) => {
         const y0 = u.valToPos(n - i, "y", true), y1 = u.valToPos(n - i - 1, "y", true);
         const x0 = u.valToPos(f.step, "x", true);
-        const end = f.cleared_at == null ? RUNS[f.run].last : f.cleared_at;
+        // an event (a NaN appearing, a loss spike) is a tick at its step, not a bar
+        const end = f.event ? f.step : f.cleared_at == null ? RUNS[f.run].last : f.cleared_at;
         const x1 = Math.max(u.valToPos(end, "x", true), x0 + 3 * devicePixelRatio);
         const nan = f.kind === "nonfinite";
-        ctx.fillStyle = f.cleared_at == null ? (nan ? "#d6402b" : "#e08a10") : "#b8c0c8";
+        ctx.fillStyle = f.event ? "#d6402b" : f.cleared_at == null ? (nan ? "#d6402b" : "#e08a10") : "#b8c0c8";
         ctx.fillRect(x0, y0 + 2, x1 - x0, y1 - y0 - 4);
         const label = (RUNS.length > 1 ? RUNS[f.run].label + ": " : "") + f.kind + " \u00b7 " + (f.module || "(model)") +
-          " \u00b7 step " + f.step + (f.cleared_at == null ? " (current)" : " \u2192 cleared at " + f.cleared_at);
+          (f.event ? " \u00b7 at step " + f.step : " \u00b7 step " + f.step + (f.cleared_at == null ? " (current)" : " \u2192 cleared at " + f.cleared_at));
         const room = x0 - u.bbox.left - 8 * devicePixelRatio;
         const fits = ctx.measureText(label).width <= room;
         ctx.fillStyle = fits ? "#1d2430" : "#ffffff";
@@ -491,7 +497,47 @@
     }));
   }
 
-  for (const draw of [drawTimeline, drawCurves, drawModules, drawHeatmaps, drawHists, drawFeatureMaps]) {
+  // -- around each loss spike: its own step range, so its own zoom and cursor ---------------
+  function drawWindows() {
+    const el = document.getElementById("hs-windows");
+    if (!el) return;
+    RUNS.forEach((r) => r.windows.forEach((w, k) => {
+      const own = "hs-window-" + r.label + "-" + k;
+      const name = (RUNS.length > 1 ? r.label + ": " : "") + w.kind + " at step " + w.step;
+      const grid = panel(el, "grid");
+      const marks = [{ step: w.step, color: "#d6402b", width: 2 }];
+      const scalars = Object.entries(w.scalars).filter(([n, y]) => y.some((v) => v != null));
+      const loss = scalars.filter(([n]) => n === "loss");
+      const shown = loss.length ? loss : scalars.slice(0, 1);
+      if (shown.length) {
+        lineChart(panel(grid), { id: "window:" + r.label + ":" + w.step + ":scalars", own, title: name + ": " + shown[0][0],
+          width: width(el, 2), height: 190, marks, series: shown.map(([n, y], i) => ({ label: n, x: w.x, y, color: COLORS[i % COLORS.length] })) });
+      }
+      const groups = Object.entries(w.groups).filter(([n, y]) => y.some((v) => v != null && v > 0));
+      if (groups.length) {
+        lineChart(panel(grid), { id: "window:" + r.label + ":" + w.step + ":groups", own, title: name + ": gradient L1 norm per group (log)",
+          width: width(el, 2), height: 190, log: true, marks,
+          series: groups.map(([n, y], i) => ({ label: n, x: w.x, y: y.map((v) => (v > 0 ? v : null)), color: COLORS[i % COLORS.length] })) });
+      }
+    }));
+  }
+
+  // -- evaluation passes: their own steps, on the shared step axis ----------------------------
+  function drawEvals() {
+    const el = document.getElementById("hs-evals");
+    if (!el) return;
+    RUNS.forEach((r) => {
+      const e = r.evals;
+      if (!e || !e.x.length) return;
+      const series = e.modules.map((m, i) => ({ label: m, x: e.x, y: e.rms[i], color: COLORS[i % COLORS.length] }))
+        .filter((s) => s.y.some((v) => v != null));
+      if (!series.length) return;
+      lineChart(panel(el), { id: "eval:" + r.label, title: (RUNS.length > 1 ? r.label + ": " : "") + "evaluation: output RMS per module (log)",
+        width: width(el, 1), height: 220, log: true, series, marks: runMarks(r) });
+    });
+  }
+
+  for (const draw of [drawTimeline, drawCurves, drawWindows, drawModules, drawEvals, drawHeatmaps, drawHists, drawFeatureMaps]) {
     try {
       draw();
     } catch (err) {
