@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 import hookscope as hs
 from hookscope.testing import assert_no_hooks
-
 from models import ResNet, gpt2, images, token_ids
 
 

@@ -165,7 +165,9 @@ def test_a_hooked_model_saves_and_copies_without_hookscope_hooks(
             assert_no_hooks(clone)  # no hookscope hook, and (the user added none) no other
             before = [p.detach().clone() for p in clone.parameters()]
             assert torch.isfinite(torch.tensor(train_one_step(clone, loss_of))), how
-            assert any(not torch.equal(a, b) for a, b in zip(before, clone.parameters(), strict=True))
+            assert any(
+                not torch.equal(a, b) for a, b in zip(before, clone.parameters(), strict=True)
+            )
             assert hooks_on(model, only_hookscope=True), how  # the original keeps its hooks
         train_one_step(model, loss_of)
         assert attached.records() > seen  # and is still watched
