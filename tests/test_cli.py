@@ -142,6 +142,17 @@ def test_demo_without_fault_learns_and_finds_nothing(
 
 
 @pytest.mark.slow
+def test_the_cli_offers_every_demo_fault_without_importing_torch() -> None:
+    from hookscope._cli import DEMO_FAULTS
+
+    assert list(DEMO_FAULTS) == list(FAULTS)
+    code = (
+        "import sys; from hookscope._cli import _parser; _parser(); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("fault", [f for f in FAULTS if f != "none"])
 def test_demo_fault_yields_its_finding_on_the_right_layer(tmp_path: Path, fault: str) -> None:
     kind, module = FAULTS[fault]  # type: ignore[misc]

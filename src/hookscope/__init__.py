@@ -2,41 +2,102 @@
 
 Capture inputs, outputs and gradients of chosen modules, extract features, intervene on
 values and gradients, tap intermediate tensors, monitor and diagnose training, and show it.
+
+Names are imported on first use (PEP 562): ``import hookscope`` alone imports neither torch
+nor anything else heavy, so the ``hookscope`` command (``watch``, ``report``, ``diff``) starts
+at once.
 """
 
-from ._capture import Capture as Capture
-from ._capture import capture as capture
-from ._compare import compare as compare
-from ._dataset import FeatureStore as FeatureStore
-from ._dataset import extract_dataset as extract_dataset
-from ._diagnose import Finding as Finding
-from ._diagnose import Thresholds as Thresholds
-from ._errors import CompiledModelError as CompiledModelError
-from ._errors import HookscopeError as HookscopeError
-from ._errors import HookscopeWarning as HookscopeWarning
-from ._errors import InterventionError as InterventionError
-from ._errors import NeverCalledWarning as NeverCalledWarning
-from ._errors import NoGradWarning as NoGradWarning
-from ._errors import NonFiniteError as NonFiniteError
-from ._errors import SelectionError as SelectionError
-from ._extract import extract as extract
-from ._intervene import Intervention as Intervention
-from ._intervene import intervene as intervene
-from ._log import read_log as read_log
-from ._monitor import Monitor as Monitor
-from ._record import Record as Record
-from ._replay import Replay as Replay
-from ._replay import replay as replay
-from ._report import report as report
-from ._select import select as select
-from ._sinks import JsonlSink as JsonlSink
-from ._sinks import MemorySink as MemorySink
-from ._sinks import Sink as Sink
-from ._sinks import TensorBoardSink as TensorBoardSink
-from ._sites import Site as Site
-from ._summary import summary as summary
-from ._tap import Tap as Tap
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__ as __version__
+
+# public name -> the module that defines it
+_WHERE = {
+    "Capture": "._capture",
+    "capture": "._capture",
+    "compare": "._compare",
+    "FeatureStore": "._dataset",
+    "extract_dataset": "._dataset",
+    "Finding": "._diagnose",
+    "Thresholds": "._diagnose",
+    "CompiledModelError": "._errors",
+    "HookscopeError": "._errors",
+    "HookscopeWarning": "._errors",
+    "InterventionError": "._errors",
+    "NeverCalledWarning": "._errors",
+    "NoGradWarning": "._errors",
+    "NonFiniteError": "._errors",
+    "SelectionError": "._errors",
+    "extract": "._extract",
+    "Intervention": "._intervene",
+    "intervene": "._intervene",
+    "read_log": "._log",
+    "Monitor": "._monitor",
+    "Record": "._record",
+    "Replay": "._replay",
+    "replay": "._replay",
+    "report": "._report",
+    "select": "._select",
+    "JsonlSink": "._sinks",
+    "MemorySink": "._sinks",
+    "Sink": "._sinks",
+    "TensorBoardSink": "._sinks",
+    "Site": "._sites",
+    "summary": "._summary",
+    "Tap": "._tap",
+}
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from ._capture import Capture as Capture
+    from ._capture import capture as capture
+    from ._compare import compare as compare
+    from ._dataset import FeatureStore as FeatureStore
+    from ._dataset import extract_dataset as extract_dataset
+    from ._diagnose import Finding as Finding
+    from ._diagnose import Thresholds as Thresholds
+    from ._errors import CompiledModelError as CompiledModelError
+    from ._errors import HookscopeError as HookscopeError
+    from ._errors import HookscopeWarning as HookscopeWarning
+    from ._errors import InterventionError as InterventionError
+    from ._errors import NeverCalledWarning as NeverCalledWarning
+    from ._errors import NoGradWarning as NoGradWarning
+    from ._errors import NonFiniteError as NonFiniteError
+    from ._errors import SelectionError as SelectionError
+    from ._extract import extract as extract
+    from ._intervene import Intervention as Intervention
+    from ._intervene import intervene as intervene
+    from ._log import read_log as read_log
+    from ._monitor import Monitor as Monitor
+    from ._record import Record as Record
+    from ._replay import Replay as Replay
+    from ._replay import replay as replay
+    from ._report import report as report
+    from ._select import select as select
+    from ._sinks import JsonlSink as JsonlSink
+    from ._sinks import MemorySink as MemorySink
+    from ._sinks import Sink as Sink
+    from ._sinks import TensorBoardSink as TensorBoardSink
+    from ._sites import Site as Site
+    from ._summary import summary as summary
+    from ._tap import Tap as Tap
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hookscope' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
 
 __all__ = [
     "Capture",

@@ -26,14 +26,32 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from ._log import LOG_NAME
-from ._watch_agent import ENV, Settings
 
-__all__ = ["BOOT", "child_env", "watch"]
+__all__ = ["BOOT", "ENV", "Settings", "child_env", "watch"]
+
+ENV = "HOOKSCOPE_WATCH"  # the settings, for every process of the command
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``hookscope watch`` passes to every process of the command (``HOOKSCOPE_WATCH``)."""
+
+    out: str
+    every: int | None = 10
+    where: list[str] | None = None
+    on_nonfinite: str = "log"
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, text: str) -> Settings:
+        return cls(**json.loads(text))
 
 BOOT = Path(__file__).resolve().parent / "_boot"
 _POLL = 0.25  # seconds between looks at the child and the logs

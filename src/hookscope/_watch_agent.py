@@ -53,7 +53,6 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
-import json
 import os
 import select
 import signal
@@ -61,7 +60,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,29 +73,12 @@ from ._hooks import HookSet, uncompiled
 from ._monitor import Monitor
 from ._monitor._calls import listen, loss_of
 from ._monitor._optim import unwrap
+from ._watch import ENV, Settings
 
 __all__ = ["ENV", "Agent", "Settings"]
 
-ENV = "HOOKSCOPE_WATCH"
 _CONTAINERS = (nn.ModuleDict, nn.ModuleList)  # no forward of their own: look inside
 _CLOSE_WITHIN = 5.0  # seconds a process ended by a signal waits for its logs to close
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What ``hookscope watch`` passes to every process of the command (``HOOKSCOPE_WATCH``)."""
-
-    out: str
-    every: int | None = 10
-    where: list[str] | None = None
-    on_nonfinite: str = "log"
-
-    def to_env(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_env(cls, text: str) -> Settings:
-        return cls(**json.loads(text))
 
 
 @dataclass(eq=False)
