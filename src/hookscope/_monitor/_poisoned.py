@@ -98,7 +98,7 @@ def _finding(bad: list[str], total: int, step: int, when: str) -> Finding:
         float(len(bad)),
         f"update: the weights became non-finite {when}: {len(bad)} of {total} parameters hold "
         f"NaN/Inf ({listed}{more}). Every later forward pass inherits them, so later steps "
-        "report nothing new; fix the first non-finite finding, or let the Monitor skip such "
-        "updates (on_nonfinite='skip')",
+        "report nothing new; fix the first non-finite finding, or have such updates skipped "
+        "(hs.Monitor(on_nonfinite='skip'); hookscope watch --on-nonfinite skip)",
         phase="update",
     )
