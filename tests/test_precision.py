@@ -242,3 +242,24 @@ def test_without_a_grad_scaler_there_is_no_grad_scale() -> None:
     with hs.Monitor(model, every=1) as mon:
         train(model, mon, 2)
     assert all("grad_scale" not in r["scalars"] for r in mon.records if r["type"] == "step")
+
+
+def test_a_scale_too_large_skips_every_step_with_one_event_each_and_halves() -> None:
+    """A real overflow: ``loss * scale`` is Inf in float32, so every gradient is; the scaler
+    skips each step and halves its scale, and each step has one event with its own scale."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    with hs.Monitor(model, every=1) as mon:
+        for _ in range(3):
+            loss = model(torch.randn(16, 8)).pow(2).mean() * 100
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            mon.step()
+    events = [r for r in mon.records if r["type"] == "event"]
+    assert [(e["kind"], e["step"]) for e in events] == [("skipped_step", s) for s in range(3)]
+    scales = [r["scalars"]["grad_scale"] for r in mon.records if r["type"] == "step"]
+    assert scales == [2.0**127, 2.0**126, 2.0**125]
+    assert all(f"{s:g}" in e["message"] for e, s in zip(events, scales, strict=True))
