@@ -263,3 +263,6 @@ def test_a_scale_too_large_skips_every_step_with_one_event_each_and_halves() -> 
     scales = [r["scalars"]["grad_scale"] for r in mon.records if r["type"] == "step"]
     assert scales == [2.0**127, 2.0**126, 2.0**125]
     assert all(f"{s:g}" in e["message"] for e, s in zip(events, scales, strict=True))
+    # the scaler's own business: the overflow is said in the event, and is no finding
+    assert mon.findings == []
+    assert "First: backward:" in events[0]["message"]

@@ -263,6 +263,7 @@ class Monitor:
         self._clip_norms: list[tuple[torch.Tensor, float]] = []  # clip_grad_norm_'s, pre-clip
         self._scale: torch.Tensor | None = None  # the GradScaler scale of this step's loss
         self._scaler_skips: list[torch.optim.Optimizer] = []  # steps GradScaler skipped
+        self._scaler_cause: Finding | None = None  # the overflow it skipped for, if located
         self._listener = _Calls(self)
         self._stop_listening = lambda: None
         self._checks: Checks | None = None
@@ -564,6 +565,8 @@ class Monitor:
                 self._nonfinite = self._localised(host, step)
             else:
                 self._nonfinite = self._agreed(host, info)
+            if self._nonfinite is not None and self._scaler_overflow(self._nonfinite, record):
+                self._scaler_cause, self._nonfinite = self._nonfinite, None
             if self._nonfinite is not None:
                 found += self._with_overflow(self._nonfinite)
         poisoned = None
@@ -604,13 +607,26 @@ class Monitor:
             raise self._error(nonfinite)
         return early + new
 
+    def _scaler_overflow(self, nonfinite: Finding, record: StepRecord) -> bool:
+        """A gradient that overflowed under a loss scale above 1, in a step GradScaler then
+        skipped: the scaler's own business (it lowers the scale and goes on), an event and no
+        finding. A NaN of the forward pass, or one at a scale of 1 or less, stays a finding."""
+        scale = record.scalars.get("grad_scale")
+        return (
+            bool(self._scaler_skips)
+            and nonfinite.phase == "backward"
+            and scale is not None
+            and scale > 1
+        )
+
     def _scaler_skip_message(self, step: int, scalars: dict[str, float]) -> str:
         names = ", ".join(dict.fromkeys(type(o).__name__ for o in self._scaler_skips))
         scale = scalars.get("grad_scale")
         at = "" if scale is None else f" at loss scale {scale:g}"
+        cause = "" if self._scaler_cause is None else f". First: {self._scaler_cause.message}"
         return (
             f"step {step}: GradScaler skipped the step of {names}: its gradients held Inf/NaN"
-            f"{at} (weights and optimizer state unchanged; the scaler lowers its scale)"
+            f"{at} (weights and optimizer state unchanged; the scaler lowers its scale){cause}"
         )
 
     def _warn_if_unhooked(self, step: int) -> None:
@@ -831,7 +847,7 @@ class Monitor:
         self._nonfinite = None
         self._early = []
         self._loss, self._clip_norms = None, []
-        self._scale, self._scaler_skips = None, []
+        self._scale, self._scaler_skips, self._scaler_cause = None, [], None
         self._hooks_ran = self._backward_ran = False
         self.step_count += 1
         self._sampled_now = self.sampled
