@@ -138,9 +138,10 @@ class Monitor:
     ``skipped_step`` events.
 
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
-    before it. Statistics are collected from modules in training mode; evaluation passes
-    (``model.eval()``) are only checked for NaN/Inf, and each record says whether the model
-    was training.
+    before it. Step statistics are collected from modules in training mode; evaluation passes
+    (``model.eval()``) are checked for NaN/Inf and logged apart, as ``eval`` records (their
+    scale per module, for ``eval_mismatch``); each step record says whether the model was
+    training.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs

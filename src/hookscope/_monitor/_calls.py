@@ -1,6 +1,6 @@
 """What a Monitor learns from the calls a training script makes into torch itself.
 
-Hooks on modules and tensors cannot see three things a training step does around the model:
+Hooks on modules and tensors cannot see what a training step does around the model:
 
 - which scalar was backpropagated (the loss: a loss module's output, ``output.loss``, the
   ``loss`` of ``logits, loss = model(x, y)``, or ``F.cross_entropy`` in the training loop);
@@ -11,9 +11,10 @@ Hooks on modules and tensors cannot see three things a training step does around
 - a ``GradScaler.step(optimizer)`` that skipped the optimizer's step (non-finite gradients):
   no optimizer hook runs then, yet the training step is over.
 
-So, while at least one Monitor is open, ``torch.autograd.backward`` (``Tensor.backward`` calls
-it), the two clipping functions, ``GradScaler.scale`` and ``GradScaler.step`` are wrapped. A wrapper calls the original unchanged; with no Monitor
-listening it does nothing else. The last Monitor to close puts the originals back. (A script that bound
+So, while at least one Monitor is open, ``torch.autograd.backward`` (``Tensor.backward``
+calls it), the two clipping functions, ``GradScaler.scale`` and ``GradScaler.step`` are
+wrapped. A wrapper calls the original unchanged; with no Monitor listening it does nothing
+else. The last Monitor to close puts the originals back. (A script that bound
 ``from torch.nn.utils import clip_grad_norm_`` before the first Monitor was made calls torch's
 own function: its gradients are then read at the optimizer step, after clipping.)
 """
