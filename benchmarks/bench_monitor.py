@@ -72,7 +72,9 @@ LossOf = Callable[[nn.Module], torch.Tensor]
 
 
 def gpt2() -> tuple[nn.Module, LossOf, Callable[[nn.Module], torch.optim.Optimizer]]:
-    model = _models.gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    # transformers builds models in eval mode: train it as a training loop does (a Monitor
+    # collects step statistics in training mode, and evaluation passes are logged apart)
+    model = _models.gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
     ids = torch.randint(0, model.config.vocab_size, (8, 128))
     return (
         model,
