@@ -53,6 +53,7 @@ class Settings:
     def from_env(cls, text: str) -> Settings:
         return cls(**json.loads(text))
 
+
 BOOT = Path(__file__).resolve().parent / "_boot"
 _POLL = 0.25  # seconds between looks at the child and the logs
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
