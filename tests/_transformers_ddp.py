@@ -47,6 +47,10 @@ def main(out: Path) -> None:
     trainer.train()
     if trainer.is_world_process_zero():
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    # End as a DDP script should: both ranks done, then the process group torn down (a rank
+    # that exits while its peer still holds gloo connections can abort in gloo's destructor).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
