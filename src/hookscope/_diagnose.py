@@ -32,7 +32,8 @@ class Finding:
             ``"frozen_changed"`` and ``"replica_divergence"``; the large-model signals
             (``_monitor/_signals.py``): ``"loss_spike"`` (``module``: the parameter group
             whose gradient norm left its range first, ``""`` when none did) and
-            ``"massive_activations"``; with ``Monitor(precision=...)`` (``_monitor/_precision.py``),
+            ``"massive_activations"``; from the attention modules' largest pre-softmax
+            logit (``_monitor/_attention.py``), ``"attention_logit_growth"``; with ``Monitor(precision=...)`` (``_monitor/_precision.py``),
             ``"precision_underflow"`` and ``"precision_overflow"`` (``value``: the largest
             fraction, over the module's output and its gradient and the dtypes named).
         module: Qualified name of the module (for ``update_ratio``, the parameter's module).
@@ -184,6 +185,15 @@ class Thresholds:
             gradients without a loss scale; Micikevicius et al. 2018, "Mixed precision
             training"), and one Inf in float16 makes the step's gradients non-finite. The
             span lets a GradScaler's own overflow-and-back-off (one step in thousands) pass.
+        attn_logit / attn_growth / attn_span: ``attention_logit_growth`` when an attention
+            module's largest pre-softmax logit is at least ``attn_logit`` and at least
+            ``attn_growth`` times its smallest value over the ``attn_span`` training steps
+            before. Logits in the tens saturate the softmax to one-hot attention and precede
+            the loss divergence of large transformers trained without QK normalisation
+            (Dehghani et al. 2023, "Scaling vision transformers to 22 billion parameters":
+            logits of order 50 and above; Wortsman et al. 2023, "Small-scale proxies for
+            large-scale transformer training instabilities"); a healthy network's logits
+            stay at a few units, and their slow drift over training is not a doubling.
     """
 
     dead_unit: float = 0.7
@@ -214,6 +224,9 @@ class Thresholds:
     underflow: float = 0.1
     overflow: float = 0.0
     precision_span: int = 20
+    attn_logit: float = 50.0
+    attn_growth: float = 2.0
+    attn_span: int = 20
 
 
 class Diagnosis:
@@ -239,6 +252,7 @@ class Diagnosis:
         self._no_grad: dict[str, _Run] = {}
         self._massive: dict[str, _Run] = {}  # module -> run of absmax_over_rms above threshold
         self._lossy: dict[tuple[str, str], _Run] = {}  # (kind, module) -> run of values lost
+        self._logits: dict[str, list[tuple[int, float]]] = {}  # module -> recent (step, logit)
         self._initial: dict[str, float] = {}  # RMS of each weight when first seen
         self._loss, self._norm = _Growth(), _Growth()
         self._diverging = _Run()
@@ -377,6 +391,7 @@ class Diagnosis:
             "massive_activations": self.t.massive_span,
             "precision_underflow": self.t.precision_span,
             "precision_overflow": self.t.precision_span,
+            "attention_logit_growth": self.t.attn_span,
         }
         return spans.get(kind, 0)
 
@@ -388,6 +403,7 @@ class Diagnosis:
         made = self._units(step, record.act)
         made += self._outliers(step, record.act)
         made += self._precision(step, record.precision)
+        made += self._logit_growth(step, record.attn)
         made += self._gradients(step, record, graph)
         made += self._updates(step, record.param, graph)
         self._track(step, made, "sampled")
@@ -413,6 +429,36 @@ class Diagnosis:
                         "channels carry values hundreds of times the rest, a known precursor "
                         "of divergence and of low-precision overflow in transformers; check "
                         "the normalisation before it, weight decay, or the learning rate",
+                    )
+                )
+        return found
+
+    def _logit_growth(self, step: int, attn: dict[str, dict[str, float]]) -> list[Finding]:
+        """``attention_logit_growth``: an attention module whose largest logit is at least
+        ``attn_logit`` and grew ``attn_growth``-fold or more over the last ``attn_span``
+        training steps."""
+        found = []
+        for name, s in attn.items():
+            value = s.get("logit_max", math.nan)
+            if not math.isfinite(value):
+                continue
+            recent = [(t, v) for t, v in self._logits.get(name, []) if t >= step - self.t.attn_span]
+            self._logits[name] = [*recent, (step, value)]
+            if not recent or value < self.t.attn_logit:
+                continue
+            low_step, low = min(recent, key=lambda tv: tv[1])
+            if value >= self.t.attn_growth * max(low, 0.0) and value > low:
+                found.append(
+                    Finding(
+                        "attention_logit_growth",
+                        name,
+                        step,
+                        value,
+                        f"the largest pre-softmax attention logit of {name!r} is {value:.3g}, "
+                        f"{value / low if low > 0 else math.inf:.3g}x its {low:.3g} at step "
+                        f"{low_step}: growing logits saturate the softmax to one-hot attention "
+                        "and precede divergence in transformers; normalise the queries and "
+                        "keys (QK-norm), lower the learning rate, or add weight decay",
                     )
                 )
         return found

@@ -17,6 +17,7 @@ from ._errors import HookscopeError
 
 __all__ = [
     "ACT_STATS",
+    "ATTN_STATS",
     "BN_STATS",
     "GRAD_STATS",
     "HOOKSCOPE_LOG",
@@ -62,6 +63,8 @@ BN_STATS = ("running_mean", "running_var", "mean_drift", "var_drift")
 # Per module and per kind ("act": its output, "grad": its output's gradient), with
 # Monitor(precision=...); "underflow" and "overflow" are {dtype name: fraction}.
 PRECISION_STATS = ("amax", "dynamic_range", "underflow", "overflow")
+# Per attention module (_monitor/_attention.py): the largest pre-softmax logit.
+ATTN_STATS = ("logit_max",)
 
 
 @dataclass
@@ -82,7 +85,7 @@ class Header:
 @dataclass
 class StepRecord:
     """One ``Monitor.step()``; the groups are filled on sampled steps only (``precision``
-    with ``Monitor(precision=...)``)."""
+    with ``Monitor(precision=...)``, ``attn`` for the model's attention modules)."""
 
     step: int
     time: float
@@ -94,13 +97,14 @@ class StepRecord:
     param: dict[str, dict[str, float]] = field(default_factory=dict)
     bn: dict[str, dict[str, float]] = field(default_factory=dict)
     precision: dict[str, dict[str, Any]] = field(default_factory=dict)
+    attn: dict[str, dict[str, float]] = field(default_factory=dict)
     grad_order: list[str] = field(default_factory=list)
     type: str = "step"
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         if not self.sampled:
-            for group in ("act", "grad", "param", "bn", "precision", "grad_order"):
+            for group in ("act", "grad", "param", "bn", "precision", "attn", "grad_order"):
                 del out[group]
         return out
 

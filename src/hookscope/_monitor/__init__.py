@@ -35,6 +35,7 @@ from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
 from .._stats import Sampler
 from .._tree import tensors
 from .._version import __version__
+from ._attention import Attention
 from ._buffer import Host, StepBuffer
 from ._calls import listen
 from ._checks import Checks, Context
@@ -133,9 +134,10 @@ class Monitor:
     a ``loss_spike`` finding names the group whose norm left its own range first, with the
     window in the log (``record_on=("loss_spike",)`` records the step). Sampled steps add
     each module's ``kurtosis`` and ``absmax_over_rms``, and ``massive_activations`` when the
-    latter stays high. ``precision=`` adds what lower-precision dtypes would lose; a
-    GradScaler's scale is logged as the scalar ``grad_scale``, the steps it skips as
-    ``skipped_step`` events.
+    latter stays high, and each attention module's largest pre-softmax logit
+    (``_attention.py``), with ``attention_logit_growth`` when it grows. ``precision=`` adds
+    what lower-precision dtypes would lose; a GradScaler's scale is logged as the scalar
+    ``grad_scale``, the steps it skips as ``skipped_step`` events.
 
     Steps count from 0: a finding's ``step`` is the number of ``step()`` calls completed
     before it. Step statistics are collected from modules in training mode; evaluation passes
@@ -282,6 +284,9 @@ class Monitor:
             for name, module in model.named_modules():
                 if name not in self.modules:
                     self._hooks.forward(module, self._on_container)
+            self._attention = Attention(
+                model, self._hooks, sample, active=self._measures, buffer=lambda: self._buf
+            )
             self._optim = OptimizerWatch(
                 self._hooks,
                 self._params.owned,
@@ -411,6 +416,12 @@ class Monitor:
             self._acts.forward(self._buf, name, outs)
             if self._precision is not None:
                 self._precision.forward(self._buf, name, outs)
+
+    def _measures(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` now adds to the step's statistics: a sampled step in
+        training mode, not a replay nor an activation-checkpoint recompute."""
+        paused = self._tape.paused or in_backward_recompute()
+        return self.sampled and module.training and not paused
 
     def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Unsampled steps: flag the inputs and outputs of each outermost call into the model
@@ -557,7 +568,8 @@ class Monitor:
         record.scalars.update(self._learning_rates())
         if sampled:
             self._grads.unscale(record.scalars.get("grad_scale"))
-            for probe in (self._acts, self._grads, self._params, self._bns, self._precision):
+            probes = (self._acts, self._grads, self._params, self._bns, self._precision)
+            for probe in (*probes, self._attention):
                 if probe is not None:
                     probe.read(host, record)
         found = []
@@ -683,6 +695,7 @@ class Monitor:
                 layout += self._params.layout(rank) + self._bns.layout(rank)
                 if self._precision is not None:
                     layout += self._precision.layout()
+                layout += self._attention.layout()
                 layout += self._checks.layout(rank)
             layout = self._layouts[key] = layout
         return layout

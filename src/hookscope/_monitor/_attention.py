@@ -1,0 +1,173 @@
+"""The largest pre-softmax logit of each attention module, on sampled steps.
+
+Attention logits that grow step after step (no QK normalisation, a high learning rate) are a
+known precursor of divergence in transformers; the logits themselves are never a module's
+output, so the usual hooks do not see them. Here a forward pre-hook on each attention module
+pushes a :class:`torch.overrides.TorchFunctionMode` for the duration of its forward, and the
+mode sees the two calls that attention implementations make:
+
+- eager attention: ``softmax`` of a 4-D ``(batch, heads, queries, keys)`` tensor, whose
+  largest finite entry is the logit (masked entries are very negative or ``-inf``: a finite
+  mask value never wins the max, a non-finite one is left out);
+- SDPA: ``F.scaled_dot_product_attention(q, k, v, ...)``, whose logits are
+  ``q @ k^T * scale`` (``scale`` defaults to ``1/sqrt(d)``), recomputed for at most ``sample``
+  query rows and masked as SDPA masks them (``attn_mask``, ``is_causal``).
+
+Attention modules are those whose class name ends in ``Attention`` (``GPT2Attention``,
+``BertSelfAttention``, a hand-written ``CausalSelfAttention``). Nested ones (BERT's
+``BertAttention`` around ``BertSelfAttention``) get one mode, pushed at the outermost, and
+a logit is credited to the innermost module running. ``nn.MultiheadAttention`` is left out:
+it computes its logits inside ``F.multi_head_attention_forward``, which the mode cannot see
+into. The value is a device scalar, moved to the host with the step's one transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .._hooks import HookSet
+from .._log import StepRecord
+from ._buffer import Host, StepBuffer
+from ._dist import Entry
+
+__all__ = ["Attention", "attention_modules"]
+
+_SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax)
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules of ``model`` whose logits the mode can see, by qualified name."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if type(m).__name__.endswith("Attention") and not isinstance(m, nn.MultiheadAttention)
+    }
+
+
+class Attention:
+    """Per attention module, the largest pre-softmax logit of its sampled-step calls (the max
+    over calls; the record's ``attn`` group).
+
+    ``active()`` says whether a call should be measured (a sampled training step, not a
+    replay nor an activation-checkpoint recompute); ``buffer()`` is the step's buffer at
+    the time of the call.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        hooks: HookSet,
+        sample: int | None,
+        active: Callable[[nn.Module], bool],
+        buffer: Callable[[], StepBuffer],
+    ) -> None:
+        self.modules = list(attention_modules(model))
+        self.sample, self._active, self._buffer = sample, active, buffer
+        self._running: list[str] = []  # the attention modules in their forward, outermost first
+        self._mode: _LogitMode | None = None
+        for name, module in attention_modules(model).items():
+            hooks.forward_pre(module, lambda m, a, k, name=name: self._enter(name, m))
+            hooks.forward(module, lambda m, a, k, o, name=name: self._exit(name), always_call=True)
+
+    def _enter(self, name: str, module: nn.Module) -> None:
+        if not self._running and not self._active(module):
+            return
+        self._running.append(name)
+        if self._mode is None:
+            self._mode = _LogitMode(self)
+            self._mode.__enter__()
+
+    def _exit(self, name: str) -> None:
+        if not self._running or self._running[-1] != name:
+            return  # its pre-hook measured nothing
+        self._running.pop()
+        if not self._running and self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def _add(self, logit: torch.Tensor) -> None:
+        if self._running:
+            self._buffer().add(("attn", self._running[-1]), logit.float(), "max")
+
+    def layout(self) -> list[Entry]:
+        """Keys and combining rules, for a collective across ranks."""
+        return [Entry(("attn", name), 1, "max") for name in self.modules]
+
+    def read(self, host: Host, record: StepRecord) -> None:
+        for name in self.modules:
+            value = host.get(("attn", name))
+            if value is not None:
+                record.attn[name] = {"logit_max": value[0]}
+
+
+class _LogitMode(TorchFunctionMode):
+    """Sees the softmax and SDPA calls of an attention module's forward (the mode is off
+    while its own handler runs, so the measuring ops are not seen again)."""
+
+    def __init__(self, probe: Attention) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and len(args) >= 2:
+            with torch.no_grad():
+                self.probe._add(_sdpa_logit_max(*args[:2], self.probe.sample, args[3:], kwargs))
+        elif func in _SOFTMAX and args and _is_scores(args[0]):
+            with torch.no_grad():
+                self.probe._add(_finite_max(args[0].detach()))
+        return func(*args, **kwargs)
+
+
+def _is_scores(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and x.numel() > 0
+
+
+def _finite_max(x: torch.Tensor) -> torch.Tensor:
+    """The largest finite entry (``-inf`` when none is)."""
+    return torch.where(torch.isfinite(x), x, -math.inf).amax()
+
+
+def _sdpa_logit_max(
+    q: torch.Tensor, k: torch.Tensor, sample: int | None, rest: tuple, kwargs: dict
+) -> torch.Tensor:
+    """The largest logit SDPA would compute, from at most ``sample`` query rows spread over
+    the sequence (the last one included: under a causal mask it sees every key)."""
+    names = ("attn_mask", "dropout_p", "is_causal", "scale")
+    given = {**dict(zip(names, rest, strict=False)), **kwargs}
+    mask, causal, scale = given.get("attn_mask"), given.get("is_causal", False), given.get("scale")
+    q, k = q.detach(), k.detach()
+    length, keys = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    rows = _rows(length, q.numel() // max(length * q.shape[-1], 1), sample, q.device)
+    q = q.index_select(-2, rows)
+    if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped-query attention
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    logits = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if mask is not None:
+        mask = mask.detach()
+        if mask.dim() >= 2 and mask.shape[-2] == length:
+            mask = mask.index_select(-2, rows)
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, -math.inf)
+        else:
+            logits = logits + mask.float()
+    if causal:
+        allowed = torch.arange(keys, device=q.device)[None, :] <= rows[:, None]
+        logits = logits.masked_fill(~allowed, -math.inf)
+    return _finite_max(logits)
+
+
+def _rows(length: int, heads: int, sample: int | None, device: torch.device) -> torch.Tensor:
+    """Query positions such that all heads' rows number at most ``sample`` (one at least)."""
+    n = length if sample is None else max(1, min(length, sample // max(heads, 1)))
+    return torch.linspace(length - 1, 0, n, device=device).round().long().flip(0).unique()
