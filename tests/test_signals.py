@@ -129,6 +129,34 @@ def test_the_layer_whose_gradient_rose_first_is_named_with_its_lead() -> None:
     assert "1 step before the loss (at step 40)" in spike.message
 
 
+@pytest.mark.parametrize("factor", [10.0, 0.05])
+def test_the_block_whose_weights_were_scaled_is_named(factor: float) -> None:
+    """Weights scaled between two steps (a bad merge, checkpoint surgery): the loss spikes in
+    the same forward, and the gradient that grows most is the one of the layer below it."""
+
+    used = []  # the L1 norm of the weights the spiking forward ran with
+
+    def scaled_weights(step, phase, arg):
+        if phase == "batch" and step == AT:
+            with torch.no_grad():
+                model[2].weight.mul_(factor)
+            used.append(sum(p.abs().sum().item() for p in model[2].parameters()))
+        return arg
+
+    model = mlp()
+    with hs.Monitor(model, every=None) as mon:
+        losses = train(model, mon, AT + 3, scaled_weights)
+    assert losses[AT] > 3 * statistics.median(losses[AT - 10 : AT])  # plain torch saw it too
+    (spike,) = spikes(mon)
+    assert (spike.step, spike.module) == (AT, "2")
+    window = next(r for r in mon.records if r["type"] == "window")
+    assert window["weights"]["2"][-1] == pytest.approx(used[0], rel=1e-5)
+    assert "the weights of '2' changed out of their own rolling range first, before this " in (
+        spike.message
+    )
+    assert f"(step {AT - 1}) to" in spike.message
+
+
 def test_group_norms_are_the_l1_norms_of_the_gradients_before_the_update() -> None:
     model = mlp()
     seen = {}

@@ -168,9 +168,9 @@ class Thresholds:
             of the loss (a converged loss with almost no noise), after ``spike_min_history``
             steps. 50 steps: enough for a robust median, short enough to follow a decaying
             loss.
-        spike_lead: A group's gradient norm that has been out of its own range (the same
-            rule over its own window) for up to this many steps before a spike is said to
-            lead it.
+        spike_lead: A group's gradient norm, or the step-to-step change of its weight norm,
+            that has been out of its own range (the same rule over its own window) for up to
+            this many steps before a spike is said to lead it.
         massive / massive_span: ``massive_activations`` when a module's largest output is at
             least this multiple of its RMS (``absmax_over_rms``) for this many training steps
             (two observations at least). Massive activations in LLMs reach thousands of times

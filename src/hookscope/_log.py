@@ -155,13 +155,15 @@ class Cleared:
 @dataclass
 class Window:
     """The rolling window around a training signal (a ``loss_spike``): the last steps'
-    scalars and, per parameter group, the L1 norm of its gradients, step by step."""
+    scalars and, per parameter group, the L1 norms of its gradients and of its weights
+    before each update, step by step."""
 
     step: int
     kind: str
     steps: list[int]
     scalars: dict[str, list[float]]
     groups: dict[str, list[float]]
+    weights: dict[str, list[float]] = field(default_factory=dict)
     type: str = "window"
 
 

@@ -220,7 +220,7 @@ class Monitor:
         self._precision = Precision(precision, sampler, self.modules) if precision else None
         self._params = Params(model, sampler)
         self._poison = PoisonedWeights(self._params.params)
-        self._spikes = SpikeWatch(list(self._params.params), self.thresholds)
+        self._spikes = SpikeWatch(self._params.params, self.thresholds)
         sharded = any(v is not None for v in self._params.sharded.values())
         if sharded and record_dir is not None:
             raise ValueError(
@@ -471,6 +471,7 @@ class Monitor:
         self._trail.parameters(self._buf, self._params.params, names)
         flags = self._trail.flags[first:]  # their L1 norms feed the rolling window too
         self._spikes.flags(first, len(self._trail.flags), [f.param for f in flags])
+        self._spikes.weights(self._buf)
 
     def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
         """The non-finite check, before the optimizer changes anything. True: skip it."""

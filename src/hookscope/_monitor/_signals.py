@@ -8,8 +8,17 @@ last steps' loss, total gradient norm and group norms on the host: no kernel and
 of its own, a few microseconds of Python per step.
 
 A loss spike is judged with robust rolling statistics of the last ``spike_window`` losses
-(:class:`Rolling`: their median, and the MAD of their step-to-step changes); when one starts, the group whose gradient norm left its own rolling
-range first is named, with its lead in steps, and the window is handed back to be logged.
+(:class:`Rolling`: their median, and the MAD of their step-to-step changes); when one starts,
+the group whose gradient norm left its own rolling range first is named, with its lead in
+steps, and the window is handed back to be logged.
+
+Gradients alone cannot name a block whose *weights* changed (scaled by a bad merge or
+checkpoint surgery, or by an update that a tiny Adam epsilon blew up): the loss spikes in the
+same forward pass, and the gradient that grows most is the one of the block *below*, which
+flows through the changed weights. So the window also keeps, per group, the L1 norm of its
+weights just before each update (:class:`WeightNorms`: one more fused ``_foreach_norm``,
+carried by the same transfer; 0.003x of a GPT-2 step on this CPU) and judges the change of
+that norm from step to step, the update norm's shadow, by the same rule.
 """
 
 from __future__ import annotations
@@ -20,11 +29,14 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from .._diagnose import Finding, Thresholds
 from .._log import Window
-from ._buffer import Host
+from ._buffer import Host, StepBuffer
+from ._dist import local
 
-__all__ = ["Rolling", "Spike", "SpikeWatch", "group_of"]
+__all__ = ["Rolling", "Spike", "SpikeWatch", "WeightNorms", "group_of"]
 
 # MAD x 1.4826 estimates the standard deviation of normal data.
 MAD_TO_STD = 1.4826
@@ -74,6 +86,43 @@ class Rolling:
         return (value - median) / max(self.k * noise, floor, 1e-12)
 
 
+class WeightNorms:
+    """Per parameter, the L1 norm of its weights just before the step's first update.
+
+    One ``torch._foreach_norm`` per device, stacked, put in the step's buffer (no transfer of
+    its own): :meth:`measure` is called before the update, once per step; :meth:`read`
+    returns them summed per group after the step's transfer.
+    """
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        self.group = [group_of(n) for n in params]
+        by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        for i, p in enumerate(params.values()):
+            shard = local(p)  # a DTensor's own shard: its norm changes as the whole does
+            indices, tensors = by_device.setdefault(shard.device, ([], []))
+            indices.append(i)
+            tensors.append(shard)
+        self._devices = list(by_device.values())
+        self._measured = False
+
+    def measure(self, buf: StepBuffer) -> None:
+        if self._measured:
+            return  # a second optimizer of the step: its update is not the step's first
+        self._measured = True
+        with torch.no_grad():
+            for k, (_, tensors) in enumerate(self._devices):
+                buf.set(("weights", k), torch.stack(torch._foreach_norm(tensors, 1)).float())
+
+    def read(self, host: Host) -> dict[str, float]:
+        self._measured = False
+        sums: dict[str, float] = {}
+        for k, (indices, _) in enumerate(self._devices):
+            values = host.get(("weights", k))
+            for i, value in zip(indices, values or (), strict=False):
+                sums[self.group[i]] = sums.get(self.group[i], 0.0) + value
+        return sums
+
+
 @dataclass(frozen=True)
 class Spike:
     """A loss spike: its finding and the window of steps around it, for the log."""
@@ -82,25 +131,35 @@ class Spike:
     window: Window
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One step of the window."""
+
+    step: int
+    scalars: dict[str, float]
+    grads: dict[str, float]  # per group: L1 norm of its gradients before the update
+    weights: dict[str, float]  # per group: L1 norm of its weights before the update
+
+
 class SpikeWatch:
     """The rolling window and the ``loss_spike`` rule.
 
     Per step (:meth:`observe`): the loss, ``grad_norm`` when the script clips, the learning
     rates, and per parameter group the L1 norm of its gradients (read from the non-finite
-    check's per-parameter flags, :meth:`flags` says which). A spike is a loss above the
-    range of the ``spike_window`` losses before it (:class:`Rolling`: ``spike_k`` noise
-    units and at least ``spike_rel`` above their median) after ``spike_min_history`` steps; only
-    the first step of a run of spiking steps is reported.
+    check's per-parameter flags, :meth:`flags` says which) and of its weights (measured by
+    :meth:`weights` before the update). A spike is a loss above the range of the
+    ``spike_window`` losses before it (:class:`Rolling`: ``spike_k`` noise units and at least
+    ``spike_rel`` above their median) after ``spike_min_history`` steps; only the first step
+    of a run of spiking steps is reported.
     """
 
-    def __init__(self, params: Sequence[str], thresholds: Thresholds) -> None:
+    def __init__(self, params: dict[str, torch.nn.Parameter], thresholds: Thresholds) -> None:
         self.group = {p: group_of(p) for p in params}
+        self._weights = WeightNorms(params)
         self.n = thresholds.spike_window
         self.lead_max = thresholds.spike_lead
         self.rule = Rolling(thresholds.spike_k, thresholds.spike_rel, thresholds.spike_min_history)
-        self._rows: deque[tuple[int, dict[str, float], dict[str, float]]] = deque(
-            maxlen=self.n + self.lead_max + 1
-        )
+        self._rows: deque[_Row] = deque(maxlen=self.n + self.lead_max + 1)
         self._losses: deque[float] = deque(maxlen=self.n)
         self._flags: list[tuple[int, str]] = []  # (flag index, group) of this step
         self._spiking = False
@@ -111,17 +170,21 @@ class SpikeWatch:
             if param in self.group:
                 self._flags.append((index, self.group[param]))
 
+    def weights(self, buf: StepBuffer) -> None:
+        """Before an update: measure the weights the step's forward used."""
+        self._weights.measure(buf)
+
     def observe(self, step: int, scalars: dict[str, float], host: Host) -> Spike | None:
         """Add one step to the window; the spike that starts at it, if any."""
-        norms: dict[str, float] = {}
+        grads: dict[str, float] = {}
         for index, group in self._flags:
             value = host.get(("flag", index))
             if value is not None:
-                norms[group] = norms.get(group, 0.0) + value[0]
+                grads[group] = grads.get(group, 0.0) + value[0]
         self._flags = []
         loss = scalars.get("loss")
         score = None if loss is None else self.rule.score(self._losses, loss)
-        self._rows.append((step, dict(scalars), norms))
+        self._rows.append(_Row(step, dict(scalars), grads, self._weights.read(host)))
         if loss is not None:
             self._losses.append(loss)
         spiking = score is not None and score > 1.0
@@ -129,55 +192,96 @@ class SpikeWatch:
         return self._spike(step, loss, score) if started else None
 
     def _spike(self, step: int, loss: float, score: float) -> Spike:
-        lead = self._leader()
         rows = list(self._rows)
         before = [v for v in list(self._losses)[:-1] if math.isfinite(v)]
         median = _median(before)
+        rose = _lr_change(rows)
+        lead = self._leader(rows, weights=not rose)
         if lead is None:
             module, where = "", "no parameter group's gradient norm left its own range first"
         else:
-            module, at = lead
-            when = (
-                f"{_steps(step - at)} before the loss (at step {at})"
-                if at < step
-                else ("at the same step (the batch itself, or the update just before it)")
-            )
-            where = f"the gradient norm of {module!r} left its own rolling range first, {when}"
+            module, at, what = lead
+            if what == "weight norm":
+                where = f"the weights of {module!r} changed out of their own rolling range first, "
+                where += _weight_change(rows, module, at, step)
+            else:
+                when = (
+                    f"{_steps(step - at)} before the loss (at step {at})"
+                    if at < step
+                    else "at the same step (the batch itself, or the update just before it)"
+                )
+                where = f"the {what} of {module!r} left its own rolling range first, {when}"
         message = (
             f"the loss jumped to {loss:.4g}, above its rolling range (median {median:.4g} of "
             f"the last {len(before)} steps; {score:.1f}x the allowed excess) at step {step}; "
-            f"{where}{_lr_change(rows)}"
+            f"{where}{rose}"
         )
         finding = Finding("loss_spike", module, step, loss, message)
         return Spike(finding, self._window(step, rows))
 
-    def _leader(self) -> tuple[str, int] | None:
-        """The group whose gradient norm first left its own range in the ``spike_lead``
-        steps up to the spike (the largest excess breaks ties): ``(group, that step)``.
-        A group need not stay out of range: a block whose update blew up may go quiet after."""
-        rows = list(self._rows)
-        best: tuple[int, float, str] | None = None
-        for group in sorted({g for row in rows for g in row[2]}):
-            values = [row[2].get(group, math.nan) for row in rows]
-            for i in range(max(0, len(rows) - 1 - self.lead_max), len(rows)):
-                score = self.rule.score(values[max(0, i - self.n) : i], values[i])
-                if score is not None and score > 1.0:
-                    if best is None or (rows[i][0], -score) < best[:2]:
-                        best = (rows[i][0], -score, group)
-                    break
-        return None if best is None else (best[2], best[0])
+    def _leader(self, rows: list[_Row], *, weights: bool) -> tuple[str, int, str] | None:
+        """The group whose gradient norm, or the change of whose weight norm, first left its
+        own range in the ``spike_lead`` steps up to the spike (the largest excess breaks
+        ties): ``(group, that step, which)``. A group need not stay out of range: a block
+        whose update blew up may go quiet after. Weights are left out when a learning rate
+        rose (every group's weights then change at once)."""
+        best: tuple[int, float, str, str] | None = None
+        for what, series in self._series(rows, weights=weights):
+            for group, values in series.items():
+                for i in range(max(0, len(rows) - 1 - self.lead_max), len(rows)):
+                    score = self.rule.score(values[max(0, i - self.n) : i], values[i])
+                    if score is not None and score > 1.0:
+                        if best is None or (rows[i].step, -score) < best[:2]:
+                            best = (rows[i].step, -score, group, what)
+                        break
+        return None if best is None else (best[2], best[0], best[3])
 
-    def _window(self, step: int, rows: list) -> Window:
+    @staticmethod
+    def _series(rows: list[_Row], *, weights: bool):
+        groups = sorted({g for row in rows for g in row.grads})
+        yield "gradient norm", {g: [row.grads.get(g, math.nan) for row in rows] for g in groups}
+        if weights:
+            groups = sorted({g for row in rows for g in row.weights})
+            yield (
+                "weight norm",
+                {g: _changes([r.weights.get(g, math.nan) for r in rows]) for g in groups},
+            )
+
+    def _window(self, step: int, rows: list[_Row]) -> Window:
         rows = rows[-(self.lead_max + 1) :]
-        keys = sorted({k for r in rows for k in r[1]})
-        groups = sorted({g for r in rows for g in r[2]})
+        keys = sorted({k for r in rows for k in r.scalars})
+        groups = sorted({g for r in rows for g in r.grads})
+        weights = sorted({g for r in rows for g in r.weights})
         return Window(
             step=step,
             kind="loss_spike",
-            steps=[r[0] for r in rows],
-            scalars={k: [r[1].get(k, math.nan) for r in rows] for k in keys},
-            groups={g: [r[2].get(g, math.nan) for r in rows] for g in groups},
+            steps=[r.step for r in rows],
+            scalars={k: [r.scalars.get(k, math.nan) for r in rows] for k in keys},
+            groups={g: [r.grads.get(g, math.nan) for r in rows] for g in groups},
+            weights={g: [r.weights.get(g, math.nan) for r in rows] for g in weights},
         )
+
+
+def _changes(norms: list[float]) -> list[float]:
+    """How much a norm changed from each step to the next, as ``|log(after / before)|``
+    (NaN where either is missing or zero): the update's size relative to the weights."""
+    out = [math.nan]
+    for a, b in itertools.pairwise(norms):
+        ok = a > 0 and b > 0 and math.isfinite(a) and math.isfinite(b)
+        out.append(abs(math.log(b / a)) if ok else math.nan)
+    return out
+
+
+def _weight_change(rows: list[_Row], group: str, at: int, step: int) -> str:
+    """When and by how much the leader's weights changed, and what does that."""
+    i = [r.step for r in rows].index(at)
+    a, b = rows[i - 1].weights[group], rows[i].weights[group]
+    when = "before this step's forward" if at == step else f"{_steps(step - at)} before the loss"
+    return (
+        f"{when}: the L1 norm of its weights went from {a:.4g} (step {rows[i - 1].step}) to "
+        f"{b:.4g} (step {at}), x{b / a:.3g} (weights scaled or replaced outside the optimizer, "
+        "or an update that blew up, e.g. Adam's epsilon too small for tiny gradients)"
+    )
 
 
 def _steps(n: int) -> str:
@@ -190,9 +294,9 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _lr_change(rows: list) -> str:
+def _lr_change(rows: list[_Row]) -> str:
     """``"; the learning rate rose ..."`` when one rose over the window (a schedule's jump)."""
-    first, last = rows[0][1], rows[-1][1]
+    first, last = rows[0].scalars, rows[-1].scalars
     for key in sorted(last):
         rose = key in first and last[key] > first[key] * 1.5
         if (key == "lr" or key.startswith("lr/")) and rose:
