@@ -32,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-from hookscope._watch import child_env
-from hookscope._watch_agent import Settings
+from hookscope._watch import Settings, child_env
 
 TRAIN = """
 import os, time

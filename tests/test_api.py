@@ -89,6 +89,10 @@ RUNS_A_MODEL = {
     "_sites.py",
     "_hooks.py",
     "_monitor/__init__.py",
+    "_monitor/_trace.py",
+    "_monitor/_replay.py",
+    "_dataset/_run.py",
+    "_watch/_agent.py",
     "_record.py",
 }
 

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import hookscope as hs
 from hookscope import _dataset
+from hookscope._dataset import _run, _writer
 from hookscope.testing import assert_no_hooks
 from models import bert, gpt2
 
@@ -409,13 +410,13 @@ def test_memory_stays_bounded_when_the_features_exceed_the_budget(tmp_path) -> N
 
 def test_the_writer_never_holds_more_than_its_budget(tmp_path, monkeypatch) -> None:
     seen = []
-    reserve = _dataset._Writer.reserve
+    reserve = _writer.Writer.reserve
 
     def spy(self, nbytes):
         reserve(self, nbytes)
         seen.append(self.pending)
 
-    monkeypatch.setattr(_dataset._Writer, "reserve", spy)
+    monkeypatch.setattr(_writer.Writer, "reserve", spy)
     model = nn.Linear(4, 1024)  # 4 KiB per row, 256 KiB per batch
     loader = DataLoader(torch.randn(1024, 4), batch_size=64)
     hs.extract_dataset(
@@ -473,7 +474,7 @@ def test_reading_ten_rows_of_a_large_store_loads_only_those_rows(tmp_path, monke
 def test_feature_store_errors_and_ranks(tmp_path, monkeypatch) -> None:
     with pytest.raises(_dataset.FeatureStoreError, match="not a hookscope feature store"):
         hs.FeatureStore(tmp_path)
-    monkeypatch.setattr(_dataset, "_rank_and_world", lambda: (1, 2))
+    monkeypatch.setattr(_run, "_rank_and_world", lambda: (1, 2))
     model = nn.Linear(3, 2)
     store = hs.extract_dataset(model, [torch.randn(3, 3)], "", tmp_path / "o", progress=False)
     assert sorted(os.listdir(tmp_path / "o")) == [

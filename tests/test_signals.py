@@ -248,3 +248,27 @@ def test_massive_activations_are_found_where_the_value_was_made_large(scale: flo
     assert finding.module == "1" and finding.step == span
     assert finding.value >= Thresholds().massive
     assert mon.records[1]["act"]["1"]["kurtosis"] > 1000  # one value: far from a normal's 3
+    assert mon.records[1]["act"]["1"]["channels"]["index"][0] == 5
+    assert ", in channel 5 (absmax " in finding.message
+
+
+def test_the_top_channels_are_the_largest_per_channel_magnitudes() -> None:
+    """Channels: the hidden dim of a ``(batch, sequence, hidden)`` output, dim 1 of a conv's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 32), nn.GELU())
+    conv = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU())
+    for model, x, dims in (
+        (seq, torch.randn(4, 10, 8), (0, 1)),
+        (conv, torch.randn(2, 3, 9, 9), (0, 2, 3)),
+    ):
+        with torch.no_grad():
+            outs = [model[0](x)]
+            outs.append(model[1](outs[0]))
+        with hs.Monitor(model, every=1, sample=None) as mon:
+            model(x).square().mean().backward()
+            mon.step()
+        for name, out in zip(("0", "1"), outs, strict=True):
+            values, index = out.abs().amax(dim=dims).topk(4)
+            channels = mon.records[1]["act"][name]["channels"]
+            assert channels["index"] == index.tolist()
+            assert channels["absmax"] == pytest.approx(values.tolist(), rel=1e-6)

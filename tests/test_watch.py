@@ -431,8 +431,7 @@ def test_an_existing_sitecustomize_still_runs(
 
 
 def test_child_env_puts_the_boot_first_once() -> None:
-    from hookscope._watch import child_env
-    from hookscope._watch_agent import Settings
+    from hookscope._watch import Settings, child_env
 
     env = child_env({"PYTHONPATH": f"/a{os.pathsep}/b"}, Settings("/out"))
     assert env["PYTHONPATH"] == os.pathsep.join([str(BOOT), "/a", "/b"])

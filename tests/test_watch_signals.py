@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 import hookscope as hs
-from hookscope._watch import child_env
-from hookscope._watch_agent import Settings
+from hookscope._watch import Settings, child_env
 
 pytest.importorskip("tensorboard")
 

@@ -38,8 +38,8 @@ _WHERE = {
     "read_log": "._log",
     "Monitor": "._monitor",
     "Record": "._record",
-    "Replay": "._replay",
-    "replay": "._replay",
+    "Replay": "._monitor._replay",
+    "replay": "._monitor._replay",
     "report": "._report",
     "select": "._select",
     "JsonlSink": "._sinks",
@@ -72,9 +72,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._intervene import intervene as intervene
     from ._log import read_log as read_log
     from ._monitor import Monitor as Monitor
+    from ._monitor._replay import Replay as Replay
+    from ._monitor._replay import replay as replay
     from ._record import Record as Record
-    from ._replay import Replay as Replay
-    from ._replay import replay as replay
     from ._report import report as report
     from ._select import select as select
     from ._sinks import JsonlSink as JsonlSink

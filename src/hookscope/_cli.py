@@ -181,7 +181,7 @@ def _parser() -> _Parser:
 
 
 def _version() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return f"hookscope {__version__}"
 
@@ -288,7 +288,7 @@ def _summary(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     import torch
 
-    from ._replay import replay
+    from ._monitor._replay import replay
 
     model = _load_factory(args.model)()
     if not isinstance(model, torch.nn.Module):

@@ -21,7 +21,8 @@ from ._report._data import Run, load_run
 
 __all__ = ["Divergence", "compare"]
 
-_SKIP = frozenset({"hist", "sampled"})  # a histogram's bins move with its range; counts of reads
+# A histogram's bins move with its range; counts of reads; the top channels' order swaps.
+_SKIP = frozenset({"hist", "sampled", "channels"})
 
 
 @dataclass(frozen=True)

@@ -425,7 +425,8 @@ class Diagnosis:
                         step,
                         ratio,
                         f"the largest output of {name!r} is {ratio:.0f}x its RMS (kurtosis "
-                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}: a few "
+                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}"
+                        f"{_massive_channels(s, self.t.massive)}: a few "
                         "channels carry values hundreds of times the rest, a known precursor "
                         "of divergence and of low-precision overflow in transformers; check "
                         "the normalisation before it, weight decay, or the learning rate",
@@ -963,3 +964,22 @@ def _chain(graph: Graph, rms: dict[str, float], bottom: str, top: str) -> list[t
         seen.add(nxt_node)
         node = nxt_node
     return sorted(path)
+
+
+def _massive_channels(stats: dict, massive: float) -> str:
+    """``", in channels 7 and 12 (absmax 812, 640)"``: the sampled channels whose largest
+    magnitude is ``massive`` times the output's RMS or more (else the largest one)."""
+    channels = stats.get("channels")
+    ratio, absmax = stats.get("absmax_over_rms", math.nan), stats.get("absmax", math.nan)
+    if not channels or not channels["index"] or not ratio > 0:
+        return ""
+    rms = absmax / ratio
+    pairs = [
+        (i, v)
+        for i, v in zip(channels["index"], channels["absmax"], strict=True)
+        if v >= massive * rms
+    ]
+    pairs = pairs or [(channels["index"][0], channels["absmax"][0])]
+    index = ", ".join(str(i) for i, _ in pairs)
+    values = ", ".join(f"{v:.3g}" for _, v in pairs)
+    return f", in channel{'s' if len(pairs) > 1 else ''} {index} (absmax {values})"

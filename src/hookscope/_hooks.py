@@ -35,6 +35,7 @@ __all__ = [
     "check_not_compiled",
     "eager_calls",
     "eager_model",
+    "eager_only",
     "in_backward_recompute",
     "live_handles",
     "training_mode",
@@ -220,6 +221,44 @@ def in_backward_recompute() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a hook that runs outside compiled graphs only.
+
+    Traced into a graph (a child's hook, inside the compiled forward of its parent) it does
+    nothing, with no graph break: ``fullgraph=True`` still compiles. Called eagerly, as the
+    hooks of the module that ``torch.compile`` wraps are (they run before its graph), it runs
+    ``fn`` as ``torch.compiler.disable`` would: Dynamo compiles nothing inside it. Its own
+    frame is marked for Dynamo to skip, not to compile as a graph of its own (with
+    ``fullgraph=True`` that graph would be the traced no-op).
+    """
+    disabled: list[Callable[..., Any]] = []
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        if "torch._dynamo" not in sys.modules:  # nothing can be compiling
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    _skip_frame(hook.__code__)
+    return hook
+
+
+def _skip_frame(code: Any) -> None:
+    """Have Dynamo run frames of ``code`` eagerly (and look at the frames they call) rather
+    than compile them: ``torch._dynamo.eval_frame.skip_code``, without importing Dynamo."""
+    try:
+        from torch._C._dynamo import eval_frame
+    except ImportError:  # a build without Dynamo: nothing is compiled
+        return
+    action = eval_frame._FrameAction
+    eval_frame.set_code_exec_strategy(
+        code, eval_frame._FrameExecStrategy(action.SKIP, action.DEFAULT)
+    )
 
 
 def check_not_compiled(model: nn.Module, verb: str) -> None:

@@ -39,6 +39,7 @@ from ._attention import Attention
 from ._buffer import Host, StepBuffer
 from ._calls import listen
 from ._checks import Checks, Context
+from ._compiled import CompiledProbes
 from ._dist import FOUND_SCALARS, Collective, Entry, RankInfo, digest
 from ._nonfinite import PASS_THROUGH, NonFiniteTrail
 from ._optim import OptimizerWatch
@@ -217,6 +218,13 @@ class Monitor:
             bins=bins if histograms else None,
         )
         self._grads = OutputGrads(sampler, self.modules, world=self._world)
+        self._compiled = CompiledProbes(  # what compiled graphs measure (``_compiled.py``)
+            list(self.modules),
+            sample,
+            dead_at=self.thresholds.dead_unit,
+            dead_min=(self.thresholds.dead_min_units, self.thresholds.dead_min_samples),
+            device=_device(model),
+        )
         self._precision = Precision(precision, sampler, self.modules) if precision else None
         self._params = Params(model, sampler)
         self._poison = PoisonedWeights(self._params.params)
@@ -280,7 +288,8 @@ class Monitor:
                 on_top_call=self._on_root,
             )
             for name, module in self.modules.items():
-                self._hooks.forward(module, functools.partial(self._on_forward, name))
+                index = self._compiled.index[name]
+                self._hooks.forward(module, functools.partial(self._on_forward, name, index))
             for name, module in model.named_modules():
                 if name not in self.modules:
                     self._hooks.forward(module, self._on_container)
@@ -381,8 +390,16 @@ class Monitor:
 
     # -- hooks -----------------------------------------------------------------------------
     def _on_forward(
-        self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any
-    ) -> None:
+        self,
+        name: str,
+        index: torch.Tensor,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        output: Any,
+    ) -> Any:
+        if torch.compiler.is_compiling():  # traced into a graph: ``_compiled.py``
+            return self._on_forward_compiled(index, module, args, output)
         if self._tape.paused and not self._flagging:  # a replay under the op tracer
             return
         self._hooks_ran = True
@@ -417,9 +434,22 @@ class Monitor:
             if self._precision is not None:
                 self._precision.forward(self._buf, name, outs)
 
+    def _on_forward_compiled(
+        self, index: torch.Tensor, module: nn.Module, args: Any, output: Any
+    ) -> Any:
+        """The forward hook inside a compiled graph: it reads only Python bools (one graph
+        for sampled steps, one for the others) and the module's index tensor."""
+        self._hooks_ran = True
+        if self._light and not self._sampled_now and self._tape.recording:
+            return None  # the edges' flags and a replay stand for this call's
+        return self._compiled.forward(index, module, args, output, sampled=self._sampled_now)
+
     def _measures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` now adds to the step's statistics: a sampled step in
-        training mode, not a replay nor an activation-checkpoint recompute."""
+        training mode, not a replay nor an activation-checkpoint recompute (nor a compiled
+        graph: the attention probe is eager-only)."""
+        if torch.compiler.is_compiling():
+            return False
         paused = self._tape.paused or in_backward_recompute()
         return self.sampled and module.training and not paused
 
@@ -548,6 +578,7 @@ class Monitor:
             else:
                 plain[key] = _scalar_number(key, value)
         if sampled:
+            self._acts.collect(buf)
             self._params.collect(buf)
             self._bns.collect(buf)
         self._checks.collect(buf, sampled)
@@ -798,7 +829,7 @@ class Monitor:
         return new
 
     def _record(self, finding: Finding, before_update: bool) -> None:
-        from .._replay import write_bundle
+        from ._replay import write_bundle
 
         path = write_bundle(
             self.record_dir,

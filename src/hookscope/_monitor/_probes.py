@@ -29,6 +29,8 @@ from ._dist import Entry, local, sharded_contributes
 
 __all__ = ["Activations", "BatchNorms", "OutputGrads", "Params"]
 
+TOP_CHANNELS = 4  # outlier channels kept per module and sampled step
+
 
 class Activations:
     """Moments, extremes, zero/saturated/dead fractions and histograms of module outputs."""
@@ -57,15 +59,40 @@ class Activations:
             buf.add(("act_min", name), lo, "min")
             buf.add(("act_max", name), hi, "max")
             buf.add(("act_numel", name), torch.tensor(float(t.numel())))
-            if plan.dead and t.dim() >= 2:
+            if t.dim() >= 2 and t.is_floating_point():
                 units = self.sampler.units(t.detach())
-                if units.shape[1] >= self.min_units and units.shape[0] >= self.min_samples:
+                self._channels(buf, name, units)
+                if (
+                    plan.dead
+                    and units.shape[1] >= self.min_units
+                    and units.shape[0] >= self.min_samples
+                ):
                     buf.add(("act_dead", name), dead_fraction(units, self.dead_at), "max")
         if self.bins and first is not None:
             buf.set(("act_hist", name), histogram(first, self.bins))
 
+    @staticmethod
+    def _channels(buf: StepBuffer, name: str, units: torch.Tensor) -> None:
+        """Each channel's largest magnitude over the sampled positions (the channel dim:
+        the last of a ``(batch, sequence, hidden)`` output, else dim 1), the max over calls."""
+        if units.shape[1] < 2 or units.shape[0] == 0:
+            return
+        amax = units.abs().amax(0).float()
+        old = buf.value(("act_chan", name))
+        if old is None or old.shape == amax.shape:
+            buf.add(("act_chan", name), amax, "max")
+
+    def collect(self, buf: StepBuffer) -> None:
+        """Only the top channels travel: their largest magnitudes and their indices."""
+        for name in self.plans:
+            amax = buf.take(("act_chan", name))
+            if amax is not None:
+                values, index = amax.topk(min(TOP_CHANNELS, amax.numel()))
+                buf.set(("act_top", name), torch.cat([values, index.float()]))
+
     def layout(self, rank: int) -> list[Entry]:
-        """Keys and combining rules, for a collective across ranks (histograms: rank 0's)."""
+        """Keys and combining rules, for a collective across ranks (histograms: rank 0's;
+        top channels: each rank's own, not combined)."""
         entries = []
         for name in self.plans:
             entries += [
@@ -107,6 +134,10 @@ class Activations:
             hist = host.get(("act_hist", name))
             if hist is not None:
                 stats["hist"] = {"lo": hist[0], "hi": hist[1], "counts": hist[2:]}
+            top = host.get(("act_top", name))
+            if top is not None:
+                k = len(top) // 2
+                stats["channels"] = {"index": [int(i) for i in top[k:]], "absmax": top[:k]}
             record.act[name] = stats
 
 

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .._diagnose import Finding
-from .._hooks import HookSet, in_backward_recompute
+from .._hooks import HookSet, eager_only, in_backward_recompute
 from .._tree import map_tensors, tensors
 
 __all__ = ["Call", "Origin", "Tape", "replay", "top_modules", "trace"]
@@ -99,11 +99,9 @@ class Tape:
         # then re-run whatever happens inside it.
         self.recording = False
         self._depth = 0
-        before, after = self._before, self._after
-        if "torch._dynamo" in sys.modules:  # the model may run compiled: tape it eagerly,
-            # at the cost of one graph break at each outermost call (traced, these hooks
-            # would return early and the tape would stay empty: no op for a NaN)
-            before, after = torch.compiler.disable(before), torch.compiler.disable(after)
+        # The model may run compiled: the hooks of the module torch.compile wraps run
+        # eagerly, before its graph, and tape it; traced into a graph, they do nothing.
+        before, after = eager_only(self._before), eager_only(self._after)
         for name, module in top_modules(root):
             hooks.forward_pre(module, functools.partial(before, name), prepend=True)
             hooks.forward(module, functools.partial(after, name), always_call=True)

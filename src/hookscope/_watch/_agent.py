@@ -68,14 +68,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._errors import NonFiniteError
-from ._hooks import HookSet, uncompiled
-from ._monitor import Monitor
-from ._monitor._calls import listen, loss_of
-from ._monitor._optim import unwrap
-from ._watch import ENV, Settings
+from .._errors import NonFiniteError
+from .._hooks import HookSet, uncompiled
+from .._monitor import Monitor
+from .._monitor._calls import listen, loss_of
+from .._monitor._optim import unwrap
+from ._settings import Settings
 
-__all__ = ["ENV", "Agent", "Settings"]
+__all__ = ["Agent"]
 
 _CONTAINERS = (nn.ModuleDict, nn.ModuleList)  # no forward of their own: look inside
 _CLOSE_WITHIN = 5.0  # seconds a process ended by a signal waits for its logs to close

@@ -2,7 +2,7 @@
 
 This is the parent side. It runs COMMAND as a child whose ``PYTHONPATH`` starts with the
 start-up directory ``_boot/`` and whose ``HOOKSCOPE_WATCH`` holds the settings; every Python
-process of the command then finds its models by itself (``_watch_agent.py``). The child keeps
+process of the command then finds its models by itself (``_agent.py``). The child keeps
 the terminal, its stdout and its stderr: the parent only adds ``[hookscope]`` lines on stderr
 (each model as it is found, each finding as it is logged, the step reached every few
 seconds). The parent forwards SIGINT and SIGTERM, writes ``report.html`` from each log once
@@ -15,6 +15,10 @@ interrupt the script's own clean-up. A second signal ends things: a child still 
 ``_KILL_AFTER`` seconds after it (a script that ignores signals, or is stuck) is killed, and
 the parent exits with the status of the signal it received. The signal handler only sends
 signals and reads the clock; it never waits.
+
+The package is the whole feature: this module (the parent), ``_settings`` (what it hands to
+the child), ``_boot/sitecustomize.py`` (the start-up hook, which imports nothing) and
+``_agent`` (the child side, imported by the start-up hook once a process trains).
 """
 
 from __future__ import annotations
@@ -26,33 +30,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from ._log import LOG_NAME
+from .._log import LOG_NAME
+from ._settings import ENV, Settings
 
 __all__ = ["BOOT", "ENV", "Settings", "child_env", "watch"]
-
-ENV = "HOOKSCOPE_WATCH"  # the settings, for every process of the command
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What ``hookscope watch`` passes to every process of the command (``HOOKSCOPE_WATCH``)."""
-
-    out: str
-    every: int | None = 10
-    where: list[str] | None = None
-    on_nonfinite: str = "log"
-
-    def to_env(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_env(cls, text: str) -> Settings:
-        return cls(**json.loads(text))
-
 
 BOOT = Path(__file__).resolve().parent / "_boot"
 _POLL = 0.25  # seconds between looks at the child and the logs
@@ -272,7 +257,7 @@ class _Progress:
                 "(trained by hand); a 'hookscope watch:' line above says why, if one was found"
             )
             return
-        from ._report import report
+        from .._report import report
 
         for log in self.logs.values():
             count = len(log.findings)

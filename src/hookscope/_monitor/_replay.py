@@ -5,6 +5,9 @@ step's outermost calls into the model, RNG states, the gradients that reached th
 the optimizer's tensors) and ``bundle.json`` (the finding, the module each call called, by qualified name, the
 structure of the inputs and the optimizer's other state). Nothing in it needs the user's code to unpickle: the model is built
 by the user, the same way, and the bundle's state is loaded into it.
+
+It sits next to its tracer (``_trace.py``) and below the Monitor, which writes a bundle
+through :func:`write_bundle`; ``hs.replay`` and the ``hookscope replay`` command read one.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._diagnose import Finding
-from ._errors import HookscopeError, missing_extra
-from ._monitor._trace import Call, Origin, trace
-from ._tree import tensors
-from ._version import __version__
+from .._diagnose import Finding
+from .._errors import HookscopeError, missing_extra
+from .._tree import tensors
+from .._version import __version__
+from ._trace import Call, Origin, trace
 
 __all__ = ["Replay", "replay", "write_bundle"]
 

@@ -11,7 +11,7 @@ does three small things:
    optimizers wrapping others pass through it too) and ``torch.autograd.backward``
    (``Tensor.backward`` calls it), and registers one global optimizer step pre-hook: three
    trampolines. The first optimizer created in the process imports
-   ``hookscope._watch_agent``, which finds the model and attaches a Monitor before the
+   ``hookscope._watch._agent``, which finds the model and attaches a Monitor before the
    model's first forward; the step hook ends each step, and finds the models of optimizers
    created before the wrapper was in place. The first ``backward()`` of the process imports
    it too, to find the models trained without an optimizer (plain SGD by hand); later ones
@@ -29,7 +29,7 @@ import os
 import sys
 
 _ENV = "HOOKSCOPE_WATCH"
-_agent = None  # hookscope._watch_agent.Agent, once an optimizer was made in this process
+_agent = None  # hookscope._watch._agent.Agent, once an optimizer was made in this process
 _backward_seen = False  # the process's first backward() was handed to the agent
 _broken = False  # hookscope could not be imported here: say so once, then stay out of the way
 
@@ -139,7 +139,7 @@ def _get_agent():
     global _agent, _broken
     if _agent is None and not _broken:
         try:
-            from hookscope._watch_agent import Agent
+            from hookscope._watch._agent import Agent
         except ImportError as exc:
             _broken = True
             sys.stderr.write(

@@ -1,0 +1,305 @@
+"""The Monitor inside a ``torch.compile`` graph: the measurements a compiled graph carries.
+
+When Dynamo traces a model the Monitor watches (attached before compiling: the whole model,
+in place, or block by block), each watched module's forward hook takes this branch instead of
+the eager one (``torch.compiler.is_compiling()``: the eager path keeps its code and its cost)
+and becomes a few device ops in the graph: no graph break, so ``fullgraph=True`` compiles,
+and nothing the graph would guard on per module, so identical blocks compiled one by one share
+one graph.
+
+- **Which module.** One hook function for every module; the module comes as a one-element
+  index tensor. A Python int or string read there would be guarded on: one graph per layer.
+- **Activations.** The eager statistics over the same sample go into per-Monitor device
+  tensors, one row per module, by ``index_add_`` / ``scatter_reduce_``: sums add and extremes
+  combine over any number of calls, with no Python container whose length the graph would
+  guard on.
+- **Output gradients.** The hook returns its output through :class:`_GradProbe`, an identity
+  (a clone, which Inductor fuses away) whose backward hands the gradient on and gives the
+  gradient's statistics to a small leaf tensor as *its* gradient: tensor hooks, module
+  backward hooks and multi-grad hooks do not trace under ``fullgraph=True``. Each call of a
+  module (up to :data:`SLOTS` per step) has its own row, so that largest magnitudes combine
+  as a max; later calls share the last row.
+- **Non-finite values.** The sum of every output and gradient, per module, and the order in
+  which the modules first ran: the first module whose output is NaN/Inf in that order is
+  named; the op and source line come from the eager replay of the step (the tape of the
+  root's calls runs outside the graph).
+- **Sampling.** ``sampled`` is a Python bool: a sampled and an unsampled graph, one
+  recompile. Unsampled steps where the tape can replay add nothing to the graph.
+
+At the step's end :meth:`CompiledProbes.drain` puts all of it into the step's buffer as one
+tensor (moved with the step's one transfer) and :meth:`CompiledProbes.unpack` spreads it into
+the entries and non-finite flags the eager hooks would have written, so every probe reads its
+record as usual.
+
+Eager-only (they need ``id()``, ``data_ptr()``, versions, Python sets or modes that a graph
+cannot hold): producer-to-consumer edges, detached outputs and dead ends (a sampled step's
+``graph`` has no compiled module), an output that aliases an input (here: an output that *is*
+an input, or a dropout that cannot drop), activation-checkpoint recompute detection,
+histograms (``bincount`` has a data-dependent shape), the attention-logit probe (a
+``TorchFunctionMode``), ``precision=``, and per-rank statistics combined across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._stats import MIN_POSITIONS, MOMENTS, _strided_index, dead_fraction, moments, plan_for
+from .._tree import map_tensors, tensors
+from ._buffer import Host, StepBuffer, _combine
+from ._nonfinite import Flag
+
+__all__ = ["SLOTS", "CompiledProbes"]
+
+SLOTS = 8  # calls per module and step whose output gradients are kept apart
+KEY = ("compiled",)
+
+# Per-module columns: summed ones, the smallest (min) and the largest (max) values.
+_SUMS = (*(f"m_{m}" for m in MOMENTS), "numel", "measured", "flag")
+_LOWS = ("min",)
+_HIGHS = ("max", "dead")
+# Per gradient row: summed, except "absmax" (a max).
+_GRAD = ("flag", "sumsq", "n", "numel", "absmax", "calls")
+
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
+class CompiledProbes:
+    """Device tensors that compiled graphs write a Monitor's measurements into."""
+
+    def __init__(
+        self,
+        names: list[str],
+        sample: int | None,
+        *,
+        dead_at: float,
+        dead_min: tuple[int, int],
+        device: torch.device,
+    ) -> None:
+        self.names = list(names)
+        self.sample, self.dead_at = sample, dead_at
+        self.min_units, self.min_samples = dead_min
+        self.ran = False  # a compiled graph wrote here since the last drain
+        self.index = {n: torch.tensor([i], device=device) for i, n in enumerate(self.names)}
+        n = len(self.names)
+        self.sums = torch.zeros(n, len(_SUMS), device=device)
+        self.lows = torch.full((n, len(_LOWS)), math.inf, device=device)
+        self.highs = torch.full((n, len(_HIGHS)), -math.inf, device=device)
+        self.order = torch.full((n,), math.inf, device=device)  # first call, by sequence
+        self.seq = torch.zeros(1, device=device)
+        self.calls = torch.zeros(n, dtype=torch.long, device=device)  # gradient rows used
+        # The leaf whose gradient holds the output gradients' statistics, SLOTS rows a module.
+        self.probe = torch.zeros(n * SLOTS, len(_GRAD), device=device, requires_grad=True)
+
+    # -- inside the graph --------------------------------------------------------------------
+    def forward(
+        self, index: torch.Tensor, module: nn.Module, args: Any, output: Any, *, sampled: bool
+    ) -> Any:
+        """The compiled branch of the Monitor's forward hook: flag and measure ``module``'s
+        output, and return it through a gradient probe (``None``: the output unchanged)."""
+        self.ran = True
+        inputs = tensors(args)
+        outs = [t for t in tensors(output) if t.is_floating_point()]
+        outs = [t for t in outs if not _alias(module, t, inputs)]
+        if not outs:
+            return None
+        with torch.no_grad():
+            self._flag(index, outs)
+            if sampled and module.training:
+                for t in outs:
+                    self._measure(index, module, t.detach())
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in outs):
+            return None
+
+        def probe(t: torch.Tensor) -> torch.Tensor:
+            if not any(t is o for o in outs) or not t.requires_grad:
+                return t
+            return _GradProbe.apply(t, self._probe_row(index), sampled, self.sample)
+
+        return map_tensors(probe, output)
+
+    def _flag(self, index: torch.Tensor, outs: list[torch.Tensor]) -> None:
+        total = sum(t.detach().sum().float() for t in outs)
+        row = torch.zeros(1, len(_SUMS), device=self.sums.device)
+        row[0, -1] = total
+        self.sums.index_add_(0, index, row)
+        self.order.scatter_reduce_(0, index, self.seq, "amin")
+        self.seq.add_(1)
+
+    def _measure(self, index: torch.Tensor, module: nn.Module, t: torch.Tensor) -> None:
+        plan = plan_for(module)
+        x = _sample(t, self.sample)
+        lo, hi = torch.aminmax(x.float()) if x.numel() else (x.new_zeros((), dtype=torch.float),) * 2
+        extra = torch.tensor([float(t.numel()), 1.0, 0.0], device=self.sums.device)
+        self.sums.index_add_(0, index, torch.cat([moments(x, plan.bounds), extra])[None])
+        self.lows.scatter_reduce_(0, index[:, None], lo.reshape(1, 1).float(), "amin")
+        dead = torch.full((), -math.inf, device=self.sums.device)
+        if plan.dead and t.dim() >= 2:
+            units = _units(t, self.sample)
+            if units.shape[1] >= self.min_units and units.shape[0] >= self.min_samples:
+                dead = dead_fraction(units, self.dead_at)
+        highs = torch.stack([hi.float(), dead.float()])[None]
+        self.highs.scatter_reduce_(0, index[:, None].expand(1, len(_HIGHS)), highs, "amax")
+
+    def _probe_row(self, index: torch.Tensor) -> torch.Tensor:
+        """This call's row of the gradient probe (a view with autograd: its gradient lands in
+        ``probe.grad``)."""
+        with torch.no_grad():
+            slot = self.calls.index_select(0, index).clamp(max=SLOTS - 1)
+            self.calls.index_add_(0, index, torch.ones_like(index))
+        return self.probe.index_select(0, index * SLOTS + slot)
+
+    # -- at the step's end, eagerly ----------------------------------------------------------
+    @torch.no_grad()
+    def drain(self, buf: StepBuffer) -> None:
+        """Put what the graphs wrote since the last drain into ``buf`` (one tensor, moved
+        with the step's transfer), and start over."""
+        if not self.ran:
+            return
+        self.ran = False
+        grad = self.probe.grad if self.probe.grad is not None else torch.zeros_like(self.probe)
+        parts = (self.sums, self.lows, self.highs, self.order, grad)
+        buf.set(KEY, torch.cat([p.reshape(-1).float() for p in parts]))
+        self.sums.zero_()
+        self.lows.fill_(math.inf)
+        self.highs.fill_(-math.inf)
+        self.order.fill_(math.inf)
+        self.seq.zero_()
+        self.calls.zero_()
+        self.probe.grad = None
+
+    def unpack(self, host: Host, flags: list[Flag], grad_order: list[str]) -> None:
+        """Spread a drained tensor, now on the host, into the entries the eager hooks would
+        have written: ``("act", name)`` and the rest of the activations, ``("grad", name)``,
+        and one non-finite flag per module output (in call order) and per output gradient
+        (in the reverse order), appended to ``flags``."""
+        values = host.pop(KEY, None)
+        if values is None:
+            return
+        n = len(self.names)
+        at = 0
+
+        def take(width: int) -> list[list[float]]:
+            nonlocal at
+            rows = [values[at + i * width : at + (i + 1) * width] for i in range(n)]
+            at += n * width
+            return rows
+
+        sums, lows, highs = take(len(_SUMS)), take(len(_LOWS)), take(len(_HIGHS))
+        order = [r[0] for r in take(1)]
+        grads = take(SLOTS * len(_GRAD))
+        ran = sorted((o, i) for i, o in enumerate(order) if math.isfinite(o))
+        for _, i in ran:
+            _put(host, flags, Flag("forward", self.names[i]), sums[i][-1])
+            if sums[i][_SUMS.index("measured")] > 0:
+                self._activations(host, self.names[i], sums[i], lows[i], highs[i])
+        for _, i in reversed(ran):
+            rows = [grads[i][s * len(_GRAD) : (s + 1) * len(_GRAD)] for s in range(SLOTS)]
+            if sum(r[-1] for r in rows) > 0:
+                self._gradient(host, flags, grad_order, self.names[i], rows)
+
+    def _activations(
+        self, host: Host, name: str, sums: list[float], lows: list[float], highs: list[float]
+    ) -> None:
+        numel = sums[len(MOMENTS)]
+        _merge(host, ("act", name), sums[: len(MOMENTS)], "sum")
+        _merge(host, ("act_min", name), lows[:1], "min")
+        _merge(host, ("act_max", name), highs[:1], "max")
+        _merge(host, ("act_numel", name), [numel], "sum")
+        if highs[1] >= 0:  # -inf: no dead-unit estimate was made
+            _merge(host, ("act_dead", name), highs[1:2], "max")
+
+    def _gradient(
+        self,
+        host: Host,
+        flags: list[Flag],
+        grad_order: list[str],
+        name: str,
+        rows: list[list[float]],
+    ) -> None:
+        col = {c: [r[i] for r in rows if r[-1] > 0] for i, c in enumerate(_GRAD)}
+        _put(host, flags, Flag("backward", name), sum(col["flag"]))
+        if sum(col["n"]) + sum(col["numel"]) > 0:  # a sampled step
+            _merge(host, ("grad", name), [sum(col["sumsq"]), sum(col["n"]), sum(col["numel"])])
+            _merge(host, ("grad_absmax", name), [max(col["absmax"])], "max")
+            if name not in grad_order:
+                grad_order.append(name)
+
+
+class _GradProbe(torch.autograd.Function):
+    """The identity (a clone: a view made in a custom Function may not be changed in
+    place later), whose backward also gives the statistics of the gradient to ``row``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, row: torch.Tensor, sampled: bool, k: int | None) -> Any:
+        ctx.sampled, ctx.k = sampled, k
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return g, _grad_row(g, ctx.sampled, ctx.k)[None], None, None
+
+
+@torch.no_grad()
+def _grad_row(g: torch.Tensor, sampled: bool, k: int | None) -> torch.Tensor:
+    """The ``_GRAD`` columns for one gradient: its sum (the non-finite check) and, on a
+    sampled step, what :class:`OutputGrads` computes from the same sample."""
+    flag = g.detach().sum().float()
+    one = flag.new_ones(())
+    if not sampled:
+        zero = flag.new_zeros(())
+        return torch.stack([flag, zero, zero, zero, zero, one])
+    x = _sample(g.detach(), k)
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    absmax = x.abs().max() if x.numel() else x.new_zeros(())
+    n, numel = float(x.numel()), float(g.numel())
+    return torch.stack(
+        [flag, x.square().sum().float(), one * n, one * numel, absmax.float(), one]
+    )
+
+
+def _sample(t: torch.Tensor, k: int | None) -> torch.Tensor:
+    """What :class:`~hookscope._stats.Sampler` takes, with the index built in the graph
+    (from static sizes: the eager sampler's cache is a dict the graph would guard on)."""
+    n = t.numel()
+    if k is None or n <= k:
+        return t.reshape(-1)
+    return torch.take(t, _strided_index(n, k, t.shape, t.device))
+
+
+def _units(t: torch.Tensor, k: int | None) -> torch.Tensor:
+    """What :meth:`~hookscope._stats.Sampler.units` takes, without its cache."""
+    unit_dim = t.dim() - 1 if t.dim() == 3 else 1
+    c = t.shape[unit_dim]
+    positions = t.numel() // max(c, 1)
+    want = positions if k is None else max(MIN_POSITIONS, k // max(c, 1))
+    if want >= positions:
+        return t.movedim(unit_dim, -1).reshape(-1, c)
+    inner = math.prod(t.shape[unit_dim + 1 :])
+    q = torch.arange(want, device=t.device) * positions // want
+    start = (q // inner) * (c * inner) + q % inner
+    index = start[:, None] + torch.arange(c, device=t.device)[None, :] * inner
+    return torch.take(t, index)
+
+
+def _alias(module: nn.Module, t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """Whether ``t`` is an input handed on unchanged (the eager trail's alias rule, as far
+    as a graph can tell): the input itself, unless the module works in place, or the
+    output of a dropout that cannot drop (eager dropout then returns its input)."""
+    if isinstance(module, _DROPOUT) and (module.p == 0 or not module.training):
+        return True
+    return any(t is x for x in inputs) and not getattr(module, "inplace", False)
+
+
+def _put(host: Host, flags: list[Flag], flag: Flag, value: float) -> None:
+    flags.append(flag)
+    host[("flag", len(flags) - 1)] = [value]
+
+
+def _merge(host: Host, key: tuple, values: list[float], reduce: str = "sum") -> None:
+    old = host.get(key)
+    host[key] = values if old is None else _combine(reduce, old, values)  # type: ignore[arg-type]
