@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 import statistics
@@ -186,6 +187,50 @@ def test_record_on_loss_spike_writes_a_replay_bundle(tmp_path: Path) -> None:
     recorded = [r for r in mon.records if r["type"] == "event" and r["kind"] == "recorded"]
     assert len(recorded) == 1 and "loss_spike" in recorded[0]["message"]
     assert any(tmp_path.iterdir())
+
+
+def test_the_skip_list_names_the_spiking_batch_and_a_resumed_run_that_skips_it_is_calm(
+    tmp_path: Path,
+) -> None:
+    """A data set with one corrupt stretch (the large-run recipe: rewind to a checkpoint
+    before the spike and skip the batches that spiked)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    xs = torch.randn(64 * (AT + 5), 8, generator=g)
+    ys = xs @ w + 0.1 * torch.randn(len(xs), 1, generator=g)
+    xs[64 * AT : 64 * (AT + 1)] *= 30  # the batch of step AT is corrupt
+    skip_file = tmp_path / "skip.json"
+
+    def run(skip: set[int]) -> hs.Monitor:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with hs.Monitor(model, every=None, skip_list=skip_file) as mon:
+            for batch in range(AT + 5):
+                if batch in skip:
+                    continue
+                index = torch.arange(64 * batch, 64 * (batch + 1))
+                (model(xs[index]) - ys[index]).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step(batch_indices=index)
+        return mon
+
+    mon = run(set())
+    assert [f.step for f in spikes(mon)] == [AT]
+    listed = json.loads(skip_file.read_text())
+    assert listed["steps"] == [AT]
+    assert listed["samples"] == list(range(64 * AT, 64 * (AT + 1)))
+    assert listed["spikes"][0]["loss"] == pytest.approx(spikes(mon)[0].value)
+    resumed = run(set(listed["steps"]))
+    assert spikes(resumed) == []
+
+
+def test_batch_indices_that_are_not_indices_are_an_error() -> None:
+    model = mlp()
+    with hs.Monitor(model, every=None) as mon:
+        model(torch.randn(4, 8)).sum().backward()
+        with pytest.raises(TypeError, match="batch_indices must be a sequence or tensor of ints"):
+            mon.step(batch_indices=3.5)
 
 
 def test_the_window_record_is_documented() -> None:

@@ -46,7 +46,7 @@ from ._optim import OptimizerWatch
 from ._poisoned import PoisonedWeights
 from ._precision import Precision
 from ._probes import Activations, BatchNorms, OutputGrads, Params
-from ._signals import SpikeWatch
+from ._signals import SkipList, SpikeWatch
 from ._trace import Tape, replay, trace
 
 __all__ = ["Monitor"]
@@ -99,6 +99,10 @@ class Monitor:
             optimizers' state; for ``nonfinite`` with an optimizer, from before the update).
             Replay it with :func:`hs.replay`, or ``hookscope replay BUNDLE --model M:F``.
         record_on: Finding kinds that write a bundle (default: ``("nonfinite",)``).
+        skip_list: A JSON file that lists the batches of the steps where a ``loss_spike``
+            started (their step numbers, and the data-set indices given to
+            ``step(batch_indices=...)``), for a trainer that resumes from an earlier
+            checkpoint to skip them (``_monitor/_signals.py``, :class:`SkipList`).
         sync: Under ``torch.distributed`` with several ranks (every rank builds the same
             Monitor): ``None`` (default) or ``True`` combine the ranks' figures with one
             collective per step into what one process would compute on the whole batch
@@ -178,6 +182,7 @@ class Monitor:
         frozen: Where | None = None,
         replicated: Where | None = None,
         precision: Sequence[str] = (),
+        skip_list: str | Path | None = None,
         **threshold_overrides: float,
     ) -> None:
         if every is not None and (not isinstance(every, int) or every < 1):
@@ -262,6 +267,8 @@ class Monitor:
         self._early: list[Finding] = []  # this step's findings from before the update
         self.record_dir = None if record_dir is None else Path(record_dir)
         self.record_on = tuple(record_on)
+        ranks = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        self._skip = None if skip_list is None else SkipList(skip_list, *ranks)
         self._recorded: set[str] = set()
         self._memory = MemorySink()
         self._sinks: list[Sink] = [self._memory, *sinks]
@@ -458,6 +465,8 @@ class Monitor:
         (the model, or a child the training loop calls directly: ``name``), and hook the
         gradient that reaches its outputs (every NaN/Inf that matters passes one of them, or
         a parameter's gradient). Called by the tape as each such call returns."""
+        if self._compiled.ran and not self._tape.paused and torch.is_grad_enabled():
+            self._hear_backward(output)
         if not self._light or self._sampled_now or self._tape.paused or in_backward_recompute():
             return
         outs = [t for t in tensors(output) if t.is_floating_point()]
@@ -469,6 +478,17 @@ class Monitor:
                 if t.requires_grad:
                     self._hooks.tensor(t, functools.partial(self._on_edge_grad, name))
 
+    def _hear_backward(self, output: Any) -> None:
+        """A compiled graph ran the model: its backward calls no Python, so a hook on what
+        the call returned tells that a backward pass reached the model (its loss is the
+        step's)."""
+        for t in tensors(output):
+            if t.requires_grad and t.is_floating_point():
+                self._hooks.tensor(t, self._count_grad)
+
+    def _count_grad(self, grad: torch.Tensor) -> None:
+        self._grad_calls += 1
+
     def _on_edge_grad(self, name: str, grad: torch.Tensor) -> None:
         self._grad_calls += 1
         self._trail.backward(self._buf, name, grad, edge=True)
@@ -477,6 +497,8 @@ class Monitor:
         """What a container returns: a watched module's output that no container returns,
         feeds nothing that one does, and gets no gradient, was detached or thrown away."""
         self._hooks_ran = True
+        if torch.compiler.is_compiling():  # eager-only (``_compiled.py``)
+            return
         if self.sampled and torch.is_grad_enabled() and not self._tape.paused:
             self._returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)
 
@@ -507,7 +529,7 @@ class Monitor:
         """The non-finite check, before the optimizer changes anything. True: skip it."""
         if self._nonfinite is None:
             if self._coll is None:
-                host = self._buf.to_host()
+                host = self._to_host()
                 self._nonfinite = self._localised(host, self.step_count)
             elif self.on_nonfinite == "log":
                 return False  # found at step(), from the step's one collective
@@ -555,7 +577,7 @@ class Monitor:
             self._params.after_update(self._buf, names)
 
     # -- the step boundary: one host transfer ------------------------------------------------
-    def step(self, **scalars: Any) -> list[Finding]:
+    def step(self, *, batch_indices: Any = None, **scalars: Any) -> list[Finding]:
         """Close a training step: log the scalars given and the statistics.
 
         ``loss`` need not be given: it is the scalar the step's ``backward()`` started from
@@ -567,8 +589,12 @@ class Monitor:
 
         What the hooks gathered moves to the host in one transfer (with an optimizer, the
         non-finite flags already moved just before its update; this carries the rest).
+        ``batch_indices`` (a sequence or tensor of ints): the data-set indices of the step's
+        batch, written to ``skip_list`` when the loss spikes at this step.
+
         Returns the findings first seen at this step.
         """
+        _check_indices(batch_indices)
         step, sampled, buf = self.step_count, self.sampled, self._buf
         scalars = {**self._found_scalars(), **scalars}
         plain: dict[str, float] = {}
@@ -585,7 +611,7 @@ class Monitor:
         tensor_scalars = sorted(k for k in scalars if k not in plain)
         info = None
         if self._coll is None:
-            host = buf.to_host()
+            host = self._to_host()
         else:
             host, info = self._coll.exchange(
                 buf,
@@ -631,6 +657,8 @@ class Monitor:
         if spike is not None:
             self._write(asdict(spike.window))
             found.append(spike.finding)
+            if self._skip is not None:
+                self._skip.add(step, spike.finding.value, _indices(batch_indices))
         found += self._checks.read(host, record)  # after the step: its eval record follows
         new = self._report(found, before_update=self._updates == 0)
         for done in self._diagnosis.cleared():
@@ -651,6 +679,13 @@ class Monitor:
         if self.on_nonfinite == "raise" and nonfinite is not None and nonfinite in new:
             raise self._error(nonfinite)
         return early + new
+
+    def _to_host(self) -> Host:
+        """The step's buffer on the host, with what compiled graphs measured in it."""
+        self._compiled.drain(self._buf)
+        host = self._buf.to_host()
+        self._compiled.unpack(host, self._trail.flags, self._grads.order)
+        return host
 
     def _scaler_overflow(self, nonfinite: Finding, record: StepRecord) -> bool:
         """A gradient that overflowed under a loss scale above 1, in a step GradScaler then
@@ -974,6 +1009,13 @@ def _is_leaf(name: str, module: nn.Module) -> bool:
     return next(iter(module.children()), None) is None
 
 
+def _device(model: nn.Module) -> torch.device:
+    """Where the model's first parameter or buffer lives (the CPU when it has none)."""
+    first = next(model.parameters(), None)
+    first = first if first is not None else next(model.buffers(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
 def _scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
     if value.numel() != 1:
         raise ValueError(
@@ -1043,3 +1085,21 @@ class _Calls:
     def _concerns(self, params: list[torch.Tensor]) -> bool:
         owned = self.monitor._params._name
         return any(id(p) in owned for p in params)
+
+
+def _check_indices(batch: Any) -> None:
+    if batch is not None and not isinstance(batch, torch.Tensor) and not hasattr(batch, "__iter__"):
+        raise TypeError(
+            f"batch_indices must be a sequence or tensor of ints (the data-set indices of the "
+            f"step's batch), got {type(batch).__name__}"
+        )
+
+
+def _indices(batch: Any) -> list[int] | None:
+    """``batch_indices`` as a list of ints, read only at a spike (a tensor's ``tolist()``
+    waits for the device)."""
+    if batch is None:
+        return None
+    if isinstance(batch, torch.Tensor):
+        return [int(i) for i in batch.reshape(-1).tolist()]
+    return [int(i) for i in batch]

@@ -24,10 +24,13 @@ that norm from step to step, the update norm's shadow, by the same rule.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -36,7 +39,7 @@ from .._log import Window
 from ._buffer import Host, StepBuffer
 from ._dist import local
 
-__all__ = ["Rolling", "Spike", "SpikeWatch", "WeightNorms", "group_of"]
+__all__ = ["Rolling", "SkipList", "Spike", "SpikeWatch", "WeightNorms", "group_of"]
 
 # MAD x 1.4826 estimates the standard deviation of normal data.
 MAD_TO_STD = 1.4826
@@ -260,6 +263,46 @@ class SpikeWatch:
             groups={g: [r.grads.get(g, math.nan) for r in rows] for g in groups},
             weights={g: [r.weights.get(g, math.nan) for r in rows] for g in weights},
         )
+
+
+class SkipList:
+    """The batches of spiking steps, for a trainer to skip when it resumes from a checkpoint
+    before the spike (as large runs do: rewind a few hundred steps, skip the batches that
+    spiked).
+
+    A JSON file, rewritten whole at each spike (write to a temporary file, then rename: a
+    reader never sees half of it): ``{"steps": [...], "samples": [...], "spikes": [{"step",
+    "loss", "samples"}]}``; ``steps`` are the spiking steps (the batch positions in a
+    deterministic data order), ``samples`` the data-set indices the script gave
+    ``Monitor.step(batch_indices=...)`` for those steps. Under several ranks, each rank keeps
+    its own file (``skip.rank1.json``): their batches differ.
+    """
+
+    def __init__(self, path: str | Path, rank: int = 0, world: int = 1) -> None:
+        path = Path(path)
+        if world > 1:
+            path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+        if path.exists() and path.is_dir():
+            raise ValueError(
+                f"skip_list={str(path)!r} is a directory.\nFix: pass a file path for the "
+                "skip list, e.g. skip_list='runs/exp1/skip.json'."
+            )
+        self.path = path
+        self.spikes: list[dict] = []
+        if path.exists():  # a resumed run adds to the list it was started with
+            self.spikes = json.loads(path.read_text()).get("spikes", [])
+
+    def add(self, step: int, loss: float, samples: list[int] | None) -> None:
+        self.spikes.append({"step": step, "loss": loss, "samples": samples or []})
+        content = {
+            "steps": sorted({s["step"] for s in self.spikes}),
+            "samples": sorted({i for s in self.spikes for i in s["samples"]}),
+            "spikes": self.spikes,
+        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(content, indent=1))
+        os.replace(tmp, self.path)
 
 
 def _changes(norms: list[float]) -> list[float]:
