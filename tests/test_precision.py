@@ -266,3 +266,36 @@ def test_a_scale_too_large_skips_every_step_with_one_event_each_and_halves() -> 
     # the scaler's own business: the overflow is said in the event, and is no finding
     assert mon.findings == []
     assert "First: backward:" in events[0]["message"]
+
+
+def test_tensorboard_gets_the_precision_and_attention_statistics(tmp_path: Path) -> None:
+    """The values TensorBoard shows are the logged ones, under documented tags."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from models import gpt2, token_ids
+
+    model = gpt2(2).train()
+    sink = hs.TensorBoardSink(tmp_path)
+    with hs.Monitor(model, every=1, precision=("bf16", "fp8_e4m3"), sinks=[sink]) as mon:
+        model(token_ids(), labels=token_ids()).loss.backward()
+        mon.step()
+    record = mon.records[1]
+    events = EventAccumulator(str(tmp_path)).Reload()
+    tags = set(events.Tags()["scalars"])
+
+    def logged(tag: str) -> float:
+        return events.Scalars(tag)[0].value
+
+    name = "transformer.h.1.mlp.c_fc"
+    stats = record["precision"][name]
+    assert logged(f"precision/{name}/act/amax") == pytest.approx(stats["act"]["amax"], rel=1e-6)
+    fraction = stats["grad"]["underflow"]["fp8_e4m3"]
+    assert logged(f"precision/{name}/grad/underflow/fp8_e4m3") == pytest.approx(fraction)
+    attention = "transformer.h.0.attn"
+    assert logged(f"attn/{attention}/logit_max") == pytest.approx(
+        record["attn"][attention]["logit_max"], rel=1e-6
+    )
+    assert {t for t in tags if t.startswith("attn/")} == {
+        f"attn/{n}/logit_max" for n in record["attn"]
+    }

@@ -70,7 +70,10 @@ class TensorBoardSink:
 
     Tags: ``loss``, ``lr``, ``act/<module>/<stat>``, ``grad/<module>/norm``,
     ``param/<name>/<stat>``, ``nonfinite/<module>/nan`` (counts are their own scalars, so a NaN
-    is never silently dropped), histograms under ``hist/<module>``.
+    is never silently dropped), histograms under ``hist/<module>``; the largest attention
+    logit as ``attn/<module>/logit_max``; with ``Monitor(precision=...)``,
+    ``precision/<module>/<act|grad>/<amax|dynamic_range>`` and
+    ``precision/<module>/<act|grad>/<underflow|overflow>/<dtype>``.
     """
 
     def __init__(self, log_dir: str | Path) -> None:
@@ -95,6 +98,18 @@ class TensorBoardSink:
                         add(f"nonfinite/{name}/{group}_{stat}", value, step)
                     elif isinstance(value, (int, float)):
                         add(f"{group}/{name}/{stat}", value, step)
+        for name, stats in record.get("attn", {}).items():
+            for stat, value in stats.items():
+                add(f"attn/{name}/{stat}", value, step)
+        for name, sides in record.get("precision", {}).items():
+            for side, stats in sides.items():
+                for stat, value in stats.items():
+                    tag = f"precision/{name}/{side}/{stat}"
+                    if isinstance(value, dict):  # {dtype: fraction}
+                        for dtype, fraction in value.items():
+                            add(f"{tag}/{dtype}", fraction, step)
+                    else:
+                        add(tag, value, step)
 
     def _histogram(self, tag: str, hist: dict[str, Any], step: int) -> None:
         counts, lo, hi = hist["counts"], hist["lo"], hist["hi"]
