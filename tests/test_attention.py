@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import hookscope as hs
@@ -86,22 +87,81 @@ def test_bert_credits_the_inner_self_attention(impl: str) -> None:
         )
 
 
-def test_unsampled_steps_eval_and_multihead_attention_log_nothing() -> None:
+def test_unsampled_steps_and_eval_log_nothing() -> None:
     model = _gpt2("eager")
-    mha = nn.MultiheadAttention(8, 2, batch_first=True)
-    x = torch.randn(2, 4, 8)
-    with hs.Monitor(model, every=2) as mon, hs.Monitor(mha, every=1) as other:
+    with hs.Monitor(model, every=2) as mon:
         for _ in range(2):
             model(token_ids()).logits.sum().backward()
             mon.step(loss=1.0)
         model.eval()
         model(token_ids())
         mon.step(loss=1.0)
-        mha(x, x, x)[0].sum().backward()
-        other.step(loss=1.0)
     steps = [r for r in mon.records if r["type"] == "step"]
     assert steps[0]["attn"] and "attn" not in steps[1] and steps[2]["attn"] == {}
-    assert other.records[1]["attn"] == {}
+
+
+def _softmax_inputs(run) -> float:
+    """The largest finite entry torch's own ``multi_head_attention_forward`` gives softmax
+    (``need_weights=True`` computes the scores in full), recorded by wrapping softmax."""
+    seen = []
+    original = F.softmax
+
+    def recording(x, *args, **kwargs):
+        seen.append(x[torch.isfinite(x)].max().item())
+        return original(x, *args, **kwargs)
+
+    F.softmax = recording
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        F.softmax = original
+    return max(seen)
+
+
+@pytest.mark.parametrize("case", ["batch_first", "seq_first", "kdim", "bias_kv"])
+def test_multihead_attention_logit_max_equals_torch_own_scores(case: str) -> None:
+    torch.manual_seed(0)
+    kw = {"kdim": 6, "vdim": 6} if case == "kdim" else {}
+    mha = nn.MultiheadAttention(
+        8, 2, batch_first=case != "seq_first", add_bias_kv=case == "bias_kv", **kw
+    ).train()
+    mha.dropout = 0.0
+    x = torch.randn(3, 5, 8) * 4
+    kv = torch.randn(3, 7, 6) * 4 if case == "kdim" else x
+    if case == "seq_first":
+        x = kv = x.transpose(0, 1)
+    s = kv.shape[1] if mha.batch_first else kv.shape[0]
+    causal = torch.ones(5, s, dtype=torch.bool).tril().logical_not() if case != "kdim" else None
+    padding = torch.zeros(3, s, dtype=torch.bool)
+    padding[0, -2:] = True  # the last two keys of the first sequence are padding
+    call = lambda: mha(x, kv, kv, key_padding_mask=padding, attn_mask=causal)  # noqa: E731
+    expected = _softmax_inputs(call)
+    with hs.Monitor(mha, every=1, sample=None) as mon:
+        call()[0].sum().backward()
+        mon.step(loss=1.0)
+    assert mon.records[1]["attn"][""]["logit_max"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_transformer_encoder_logs_each_layer_self_attention() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    x = torch.randn(2, 6, 16)
+    mask = nn.Transformer.generate_square_subsequent_mask(6)  # float, -inf above the diagonal
+    expected = []
+    for i in range(2):
+        inner = model.layers[i]
+        h = x if i == 0 else model.layers[0](x, src_mask=mask)
+        expected.append(
+            _softmax_inputs(lambda inner=inner, h=h: inner.self_attn(h, h, h, attn_mask=mask))
+        )
+    with hs.Monitor(model, every=1, sample=None) as mon:
+        model(x, mask=mask).sum().backward()
+        mon.step(loss=1.0)
+    attn = mon.records[1]["attn"]
+    for i in range(2):
+        assert attn[f"layers.{i}.self_attn"]["logit_max"] == pytest.approx(expected[i], rel=1e-5)
 
 
 def _run(scale: float, steps: int = 14) -> tuple[list[hs.Finding], list[float]]:

@@ -16,9 +16,13 @@ mode sees the two calls that attention implementations make:
 Attention modules are those whose class name ends in ``Attention`` (``GPT2Attention``,
 ``BertSelfAttention``, a hand-written ``CausalSelfAttention``). Nested ones (BERT's
 ``BertAttention`` around ``BertSelfAttention``) get one mode, pushed at the outermost, and
-a logit is credited to the innermost module running. ``nn.MultiheadAttention`` is left out:
-it computes its logits inside ``F.multi_head_attention_forward``, which the mode cannot see
-into. The value is a device scalar, moved to the host with the step's one transfer.
+a logit is credited to the innermost module running. ``nn.MultiheadAttention`` (torch's
+``TransformerEncoderLayer``, ViTs built on it) computes its logits inside
+``F.multi_head_attention_forward``, whose own torch-function dispatch hides its inner calls
+from a mode: its pre-hook recomputes them instead, from the module's input projections, for
+at most ``sample`` query rows, masked as the module masks them (``attn_mask``,
+``key_padding_mask``: ``True`` or ``-inf`` is left out). The value is a device scalar,
+moved to the host with the step's one transfer.
 """
 
 from __future__ import annotations
@@ -44,11 +48,7 @@ _SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax)
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The modules of ``model`` whose logits the mode can see, by qualified name."""
-    return {
-        name: m
-        for name, m in model.named_modules()
-        if type(m).__name__.endswith("Attention") and not isinstance(m, nn.MultiheadAttention)
-    }
+    return {name: m for name, m in model.named_modules() if type(m).__name__.endswith("Attention")}
 
 
 class Attention:
@@ -73,8 +73,17 @@ class Attention:
         self._running: list[str] = []  # the attention modules in their forward, outermost first
         self._mode: _LogitMode | None = None
         for name, module in attention_modules(model).items():
+            if isinstance(module, nn.MultiheadAttention):
+                hooks.forward_pre(module, lambda m, a, k, name=name: self._multihead(name, m, a, k))
+                continue
             hooks.forward_pre(module, lambda m, a, k, name=name: self._enter(name, m))
             hooks.forward(module, lambda m, a, k, o, name=name: self._exit(name), always_call=True)
+
+    def _multihead(self, name: str, module: nn.MultiheadAttention, args: tuple, kwargs: dict):
+        if self._active(module):
+            with torch.no_grad():
+                logit = _multihead_logit_max(module, args, kwargs, self.sample)
+            self._buffer().add(("attn", name), logit.float(), "max")
 
     def _enter(self, name: str, module: nn.Module) -> None:
         if not self._running and not self._active(module):
@@ -165,6 +174,59 @@ def _sdpa_logit_max(
         allowed = torch.arange(keys, device=q.device)[None, :] <= rows[:, None]
         logits = logits.masked_fill(~allowed, -math.inf)
     return _finite_max(logits)
+
+
+_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+
+
+def _multihead_logit_max(
+    m: nn.MultiheadAttention, args: tuple, kwargs: dict, sample: int | None
+) -> torch.Tensor:
+    """The largest logit ``nn.MultiheadAttention`` will compute for this call, from its input
+    projections, for at most ``sample`` query rows."""
+    given = {**dict(zip(_MHA_ARGS, args, strict=False)), **kwargs}
+    q, k = given["query"].detach(), given["key"].detach()
+    if q.dim() == 2:  # unbatched (L, E)
+        q, k = q.unsqueeze(1), k.unsqueeze(1)
+    elif m.batch_first:
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
+    length, batch, e = q.shape  # (L, N, E) from here
+    heads, d = m.num_heads, m.head_dim
+    if m._qkv_same_embed_dim:
+        wq, wk = m.in_proj_weight[:e], m.in_proj_weight[e : 2 * e]
+    else:
+        wq, wk = m.q_proj_weight, m.k_proj_weight
+    bias = m.in_proj_bias
+    bq, bk = (None, None) if bias is None else (bias[:e], bias[e : 2 * e])
+    rows = _rows(length, batch * heads, sample, q.device)
+    qs = F.linear(q.index_select(0, rows), wq, bq)  # (r, N, E)
+    ks = F.linear(k, wk, bk)  # (S, N, E)
+    if m.bias_k is not None:  # add_bias_kv: one more key
+        ks = torch.cat([ks, m.bias_k.expand(1, batch, e)])
+    qs = qs.reshape(len(rows), batch, heads, d).permute(1, 2, 0, 3)  # (N, H, r, d)
+    ks = ks.reshape(ks.shape[0], batch, heads, d).permute(1, 2, 0, 3)  # (N, H, S, d)
+    logits = (qs.float() @ ks.float().transpose(-2, -1)) * d**-0.5
+    mask = given.get("attn_mask")
+    if mask is not None:  # (L, S) or (N * H, L, S)
+        mask = mask.detach()
+        if mask.dim() == 2:
+            mask = mask.index_select(0, rows)[None, None]
+        else:
+            mask = mask.reshape(batch, heads, length, -1).index_select(2, rows)
+        logits = _masked(logits, mask)
+    padding = given.get("key_padding_mask")
+    if padding is not None:  # (N, S)
+        logits = _masked(logits, padding.detach().reshape(batch, 1, 1, -1))
+    return _finite_max(logits)
+
+
+def _masked(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``nn.MultiheadAttention``'s convention: a boolean ``True`` is not attended, a float
+    mask is added (``add_bias_kv``'s extra key is never masked)."""
+    mask = F.pad(mask, (0, logits.shape[-1] - mask.shape[-1]))
+    if mask.dtype == torch.bool:
+        return logits.masked_fill(mask, -math.inf)
+    return logits + mask.float()
 
 
 def _rows(length: int, heads: int, sample: int | None, device: torch.device) -> torch.Tensor:
