@@ -396,7 +396,7 @@ def test_report_shows_each_signal_the_monitor_logs(signals_dir: Path) -> None:
     (window,) = run["windows"]
     assert window["step"] == SPIKE and window["x"][-1] == SPIKE
     assert window["scalars"]["loss"][-1] > 10 * window["scalars"]["loss"][0]
-    assert set(window["groups"]) == {"0", "2", "4"}
+    assert set(window["groups"]) == set(window["weights"]) == {"0", "2", "4"}
     assert 'id="windows"' in html and '<table class="windows">' in html
     assert f">at step {SPIKE}</td>" in html
     # Outlier statistics per module, and the evaluation passes apart from training.
@@ -439,7 +439,8 @@ def test_signal_charts_draw_in_chromium(signals_dir: Path, tmp_path: Path) -> No
         _open(b, page)
         ids = set(b.eval("Object.keys(hsCharts)"))
         spike = f"window:{signals_dir.name}:{SPIKE}"
-        assert {f"{spike}:scalars", f"{spike}:groups", f"eval:{signals_dir.name}"} <= ids
+        assert {f"{spike}:scalars", f"{spike}:groups", f"{spike}:weights"} <= ids
+        assert f"eval:{signals_dir.name}" in ids
         assert {"act.kurtosis:0", "act.absmax_over_rms:2"} <= ids
         # The window's chart spans its own steps, ending at the spike; hover reads the loss.
         lo, hi = b.eval(

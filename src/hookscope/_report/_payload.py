@@ -315,7 +315,8 @@ def _findings(run: Run) -> list[dict[str, Any]]:
 
 def _window(record: dict[str, Any]) -> dict[str, Any]:
     """The steps around a loss spike as the Monitor kept them: the step scalars and each
-    parameter group's gradient L1 norm (a few dozen points: nothing to decimate)."""
+    parameter group's gradient and weight L1 norms (a few dozen points: nothing to
+    decimate)."""
     steps = np.asarray(record.get("steps") or [], dtype=np.int64)
     return {
         "step": record.get("step"),
@@ -323,6 +324,7 @@ def _window(record: dict[str, Any]) -> dict[str, Any]:
         "x": _ints(steps),
         "scalars": {n: _floats(np.asarray(v, dtype=float)) for n, v in _rows(record, "scalars")},
         "groups": {n: _floats(np.asarray(v, dtype=float)) for n, v in _rows(record, "groups")},
+        "weights": {n: _floats(np.asarray(v, dtype=float)) for n, v in _rows(record, "weights")},
     }
 
 

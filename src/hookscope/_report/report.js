@@ -513,12 +513,15 @@
         lineChart(panel(grid), { id: "window:" + r.label + ":" + w.step + ":scalars", own, title: name + ": " + shown[0][0],
           width: width(el, 2), height: 190, marks, series: shown.map(([n, y], i) => ({ label: n, x: w.x, y, color: COLORS[i % COLORS.length] })) });
       }
-      const groups = Object.entries(w.groups).filter(([n, y]) => y.some((v) => v != null && v > 0));
-      if (groups.length) {
-        lineChart(panel(grid), { id: "window:" + r.label + ":" + w.step + ":groups", own, title: name + ": gradient L1 norm per group (log)",
+      const perGroup = (key, what) => {
+        const groups = Object.entries(w[key] || {}).filter(([n, y]) => y.some((v) => v != null && v > 0));
+        if (!groups.length) return;
+        lineChart(panel(grid), { id: "window:" + r.label + ":" + w.step + ":" + key, own, title: name + ": " + what + " L1 norm per group (log)",
           width: width(el, 2), height: 190, log: true, marks,
           series: groups.map(([n, y], i) => ({ label: n, x: w.x, y: y.map((v) => (v > 0 ? v : null)), color: COLORS[i % COLORS.length] })) });
-      }
+      };
+      perGroup("groups", "gradient");
+      perGroup("weights", "weight");
     }));
   }
 
