@@ -24,9 +24,11 @@ condition, the median is reported (one with ``--quick``).
 
 With ``--checks``: the cost of the checks of invariants (``_checks/``) alone, each Monitor
 row against the same Monitor whose checks are replaced by a no-op (paired and interleaved the
-same way; the baseline is then the Monitor without checks, not the bare step).
+same way; the baseline is then the Monitor without checks, not the bare step). ``--window``:
+the same for the rolling window of large-model signals (``_signals.SpikeWatch``: the loss,
+per-group gradient and weight norms on every step).
 
-    python benchmarks/bench_monitor.py [--quick] [--only gpt2|cnn|mem] [--pairs N] [--checks]
+    python benchmarks/bench_monitor.py [--quick] [--only gpt2|cnn|mem] [--pairs N] [--checks | --window]
 
 wandb is a benchmark-only dependency (``pip install -c constraints.txt wandb``); without it
 that row is skipped with the reason.
@@ -359,6 +361,30 @@ def without_checks(model: nn.Module, **kwargs: Any) -> Monitor:
         return Monitor(model, **kwargs)
 
 
+class _NoWindow:
+    """The rolling window of large-model signals (``_signals.SpikeWatch``), a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def flags(self, *args: Any) -> None:
+        pass
+
+    def weights(self, buf: Any) -> None:
+        pass
+
+    def observe(self, *args: Any) -> None:
+        return None
+
+
+def without_window(model: nn.Module, **kwargs: Any) -> Monitor:
+    with mock.patch("hookscope._monitor.SpikeWatch", _NoWindow):
+        return Monitor(model, **kwargs)
+
+
+PARTS = {"checks": without_checks, "window": without_window}
+
+
 CHECK_ROWS = {
     "`hs.Monitor(model, every=None)`": {"every": None},
     "`hs.Monitor(model, every=10)`": {"every": 10},
@@ -367,13 +393,17 @@ CHECK_ROWS = {
 }
 
 
-def measure_checks(key: str, pairs: int, warmup: int) -> list[tuple[str, str]]:
-    """Rows of (Monitor, result cells): with its checks against without them."""
+def measure_checks(
+    key: str, pairs: int, warmup: int, part: str = "checks"
+) -> list[tuple[str, str]]:
+    """Rows of (Monitor, result cells): with its checks (or its rolling window) against
+    without them."""
     label, build = MODELS[key]
+    without = PARTS[part]
     torch.manual_seed(0)
     base, loss_of, make_opt = build()
     base.train()
-    print(f"{label}: checks on vs off", flush=True)
+    print(f"{label}: {part} on vs off", flush=True)
     rows = []
     for name, kw in CHECK_ROWS.items():
         gc.collect()
@@ -384,7 +414,7 @@ def measure_checks(key: str, pairs: int, warmup: int) -> list[tuple[str, str]]:
             lambda m: Monitor(m, **kw),  # noqa: B023
             pairs,
             warmup,
-            baseline=lambda m: without_checks(m, **kw),  # noqa: B023
+            baseline=lambda m: without(m, **kw),  # noqa: B023
         )
         rows.append((name, cell))
         print(f"  {name}: {cell}", flush=True)
@@ -496,6 +526,11 @@ def main() -> None:
     )
     parser.add_argument("--pairs", type=int, default=None, help="pairs per condition")
     parser.add_argument(
+        "--window",
+        action="store_true",
+        help="the rolling window of large-model signals on vs off, per Monitor",
+    )
+    parser.add_argument(
         "--checks", action="store_true", help="the checks of invariants on vs off, per Monitor"
     )
     parser.add_argument("--mem-child", help=argparse.SUPPRESS)
@@ -506,8 +541,8 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     pairs = args.pairs or (10 if args.quick else 30)
     warmup = 3
-    if args.checks:
-        main_checks(args.only, pairs, warmup)
+    if args.checks or args.window:
+        main_checks(args.only, pairs, warmup, "window" if args.window else "checks")
         return
     start = time.perf_counter()
     results = {}
@@ -541,17 +576,20 @@ def main() -> None:
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
-def main_checks(only: str | None, pairs: int, warmup: int) -> None:
-    """``--checks``: each Monitor with its checks against the same Monitor without them."""
-    results = {key: measure_checks(key, pairs, warmup) for key in MODELS if only in (None, key)}
+def main_checks(only: str | None, pairs: int, warmup: int, part: str) -> None:
+    """``--checks`` / ``--window``: each Monitor with that part against the same Monitor
+    without it."""
+    results = {
+        key: measure_checks(key, pairs, warmup, part) for key in MODELS if only in (None, key)
+    }
     print(
         f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; {pairs} pairs per row "
-        f"({warmup} warm-up); ratio of summed step times with the checks to without (median of "
+        f"({warmup} warm-up); ratio of summed step times with the {part} to without (median of "
         "per-pair ratios); ms = mean step time"
     )
     for key, rows in results.items():
-        print(f"\n**{MODELS[key][0]}**: checks on vs off\n")
-        print("| Monitor | ratio (median) | without checks ms | with ms |")
+        print(f"\n**{MODELS[key][0]}**: {part} on vs off\n")
+        print(f"| Monitor | ratio (median) | without {part} ms | with ms |")
         print("|---|---:|---:|---:|")
         for name, cell in rows:
             print(f"| {name} | {cell} |")
