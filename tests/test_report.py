@@ -458,3 +458,19 @@ def test_signal_charts_draw_in_chromium(signals_dir: Path, tmp_path: Path) -> No
         _clean(b, page)
         b.screenshot(tmp_path / "signals.png")
     assert (tmp_path / "signals.png").stat().st_size > 20_000
+
+
+def test_attention_logits_are_charted_per_attention_block(tmp_path: Path) -> None:
+    """GPT-2's attention blocks are not leaves; their logit chart sits before their children."""
+    from models import gpt2, token_ids
+
+    model = gpt2(2).train()
+    with hs.Monitor(model, every=1, log_dir=tmp_path) as mon:
+        for _ in range(3):
+            model(token_ids(), labels=token_ids()).loss.backward()
+            mon.step()
+    run = _data(hs.report(tmp_path).read_text())["runs"][0]
+    logged = [r["attn"]["transformer.h.1.attn"]["logit_max"] for r in mon.records[1:]]
+    row = run["modules"].index("transformer.h.1.attn")
+    assert run["lines"]["attn.logit_max"][row] == pytest.approx(logged, rel=1e-3)  # 4 digits
+    assert row < run["modules"].index("transformer.h.1.attn.c_attn")

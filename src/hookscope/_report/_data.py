@@ -127,6 +127,10 @@ class Run:
         declared = list(self.header.get("modules") or {})
         for s in self.sampled:
             declared += [n for n in s.get("act") or {} if n not in declared]
+            for n in s.get("attn") or {}:  # an attention block: before its first child
+                if n not in declared:
+                    child = next((i for i, d in enumerate(declared) if d.startswith(n + ".")), None)
+                    declared.insert(len(declared) if child is None else child, n)
         ran = backward[::-1]
         if not ran:
             return declared

@@ -35,6 +35,7 @@ LINE_STATS = (
     ("grad", "norm", True),
     ("act", "kurtosis", True),  # 3 for normal values; outliers drive it to 100s
     ("act", "absmax_over_rms", True),  # massive activations: >= thresholds.massive (100)
+    ("attn", "logit_max", False),  # the largest pre-softmax attention logit
 )
 EVAL_MODULES = 12  # modules drawn on the evaluation chart (all are in its table)
 
@@ -50,7 +51,9 @@ def payload(runs: list[Run]) -> dict[str, Any]:
 
 def _run(run: Run) -> dict[str, Any]:
     order = run.order()
-    sampled = [s for s in run.sampled if s.get("act") or s.get("grad") or s.get("param")]
+    sampled = [
+        s for s in run.sampled if s.get("act") or s.get("grad") or s.get("param") or s.get("attn")
+    ]
     steps = np.array([s["step"] for s in sampled], dtype=np.int64)
     groups = _matrices(sampled, order)
     cuts = _buckets(len(steps), LINE_BUCKETS)

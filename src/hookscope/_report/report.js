@@ -217,9 +217,10 @@
     "grad.norm": "gradient norm of the output (log)",
     "act.kurtosis": "kurtosis of the output (log; 3 for normal values)",
     "act.absmax_over_rms": "largest |value| over RMS of the output (log; dashed: 100, massive activations)",
+    "attn.logit_max": "largest pre-softmax attention logit (dashed: 50)",
   };
   const LOG = { "grad.norm": true, "act.kurtosis": true, "act.absmax_over_rms": true };
-  const GUIDE = { "act.kurtosis": 3, "act.absmax_over_rms": 100 };
+  const GUIDE = { "act.kurtosis": 3, "act.absmax_over_rms": 100, "attn.logit_max": 50 };
   function drawModules() {
     const el = document.getElementById("hs-modules");
     if (!el) return;
