@@ -474,3 +474,29 @@ def test_attention_logits_are_charted_per_attention_block(tmp_path: Path) -> Non
     row = run["modules"].index("transformer.h.1.attn")
     assert run["lines"]["attn.logit_max"][row] == pytest.approx(logged, rel=1e-3)  # 4 digits
     assert row < run["modules"].index("transformer.h.1.attn.c_attn")
+
+
+def test_precision_losses_are_charted_per_module_and_dtype(tmp_path: Path) -> None:
+    """A loss scaled by 1e-12: its gradients would underflow in float16, not in bfloat16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hs.Monitor(model, every=2, precision=("bf16", "fp16"), log_dir=tmp_path) as mon:
+        for _ in range(6):
+            (model(torch.randn(32, 8)).pow(2).mean() * 1e-12).backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    page = hs.report(tmp_path, tmp_path / "report.html")
+    run = _data(page.read_text())["runs"][0]
+    sampled = [r for r in mon.records if r["type"] == "step" and r["sampled"]]
+    row = run["modules"].index("1")
+    logged = [r["precision"]["1"]["grad"]["underflow"]["fp16"] for r in sampled]
+    assert min(logged) > 0.5
+    assert run["precision"]["grad"]["fp16 underflow"][row] == pytest.approx(logged, rel=1e-3)
+    assert "bf16 underflow" not in run["precision"]["grad"]  # never above zero: no series
+    if CHROMIUM is None:
+        return
+    with Browser(tmp_path / "profile") as b:
+        _open(b, page)
+        assert "precision.grad:1" in b.eval("Object.keys(hsCharts)")

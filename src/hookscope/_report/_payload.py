@@ -52,7 +52,9 @@ def payload(runs: list[Run]) -> dict[str, Any]:
 def _run(run: Run) -> dict[str, Any]:
     order = run.order()
     sampled = [
-        s for s in run.sampled if s.get("act") or s.get("grad") or s.get("param") or s.get("attn")
+        s
+        for s in run.sampled
+        if s.get("act") or s.get("grad") or s.get("param") or s.get("attn") or s.get("precision")
     ]
     steps = np.array([s["step"] for s in sampled], dtype=np.int64)
     groups = _matrices(sampled, order)
@@ -79,6 +81,7 @@ def _run(run: Run) -> dict[str, Any]:
         "maps": [_feature_map(r) for r in run.feature_maps],
         "windows": [_window(w) for w in run.windows],
         "evals": _evals(run, order),
+        "precision": _precision(sampled, order, cuts),
         "first": int(run.steps[0]["step"]) if run.steps else 0,
         "last": int(run.steps[-1]["step"]) if run.steps else 0,
     }
@@ -106,6 +109,29 @@ def _matrices(sampled: list[dict[str, Any]], order: list[str]) -> dict[str, dict
                     if isinstance(v, (int, float)):
                         out[group][k][i, j] = v
     return out
+
+
+def _precision(sampled: list[dict[str, Any]], order: list[str], cuts: Any) -> dict[str, Any]:
+    """``{side: {"bf16 underflow": [row per module], ...}}`` for ``Monitor(precision=...)``:
+    the fraction of a module's output (``act``) or output gradient (``grad``) values that
+    each dtype would lose; a series only where some value is not zero."""
+    row = {name: i for i, name in enumerate(order)}
+    found: dict[str, dict[str, Any]] = {}
+    for j, s in enumerate(sampled):
+        for name, sides in (s.get("precision") or {}).items():
+            i = row.get(name)
+            for side, stats in sides.items() if i is not None else ():
+                for kind in ("underflow", "overflow"):
+                    for dtype, value in (stats.get(kind) or {}).items():
+                        key = f"{dtype} {kind}"
+                        m = found.setdefault(side, {}).get(key)
+                        if m is None:
+                            m = found[side][key] = np.full((len(order), len(sampled)), np.nan)
+                        m[i, j] = value
+    return {
+        side: {key: _series(m, cuts, False) for key, m in series.items() if np.nanmax(m) > 0}
+        for side, series in found.items()
+    }
 
 
 def _ratios(run: Run, sampled: list[dict[str, Any]]) -> tuple[list[str], Any]:

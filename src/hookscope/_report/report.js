@@ -263,6 +263,31 @@
         if (series.length) lineChart(panel(grid), { id: "ratio:" + n, title: n, width: width(el, 4), height: 150, log: true, guide: 1e-3, series });
       }
     }
+    drawPrecision(el, modules);
+  }
+
+  // Monitor(precision=...): per module, the share of values each dtype would lose.
+  const SIDES = { act: "output", grad: "output gradient (as backpropagated, scaled under a GradScaler)" };
+  function drawPrecision(el, modules) {
+    for (const side of Object.keys(SIDES)) {
+      if (!RUNS.some((r) => r.precision && r.precision[side] && Object.keys(r.precision[side]).length)) continue;
+      const h = document.createElement("h3");
+      h.textContent = "fraction of the " + SIDES[side] + " values that would underflow to 0 or overflow in each dtype";
+      el.appendChild(h);
+      const grid = panel(el, "grid");
+      for (const m of modules) {
+        const series = [];
+        RUNS.forEach((r, ri) => {
+          const row = r.modules.indexOf(m);
+          Object.entries((r.precision && r.precision[side]) || {}).forEach(([key, rows], k) => {
+            const y = row >= 0 && rows[row];
+            if (y && y.some((v) => v != null && v > 0))
+              series.push({ label: (RUNS.length > 1 ? r.label + " " : "") + key, x: r.x, y, color: COLORS[(ri * 4 + k) % COLORS.length] });
+          });
+        });
+        if (series.length) lineChart(panel(grid), { id: "precision." + side + ":" + m, title: m, width: width(el, 4), height: 150, series });
+      }
+    }
   }
 
   // -- findings timeline --------------------------------------------------------------------
