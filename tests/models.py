@@ -14,6 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # -- Hugging Face models from configs (random weights, nothing downloaded) --------------------
 
@@ -188,3 +189,25 @@ def resnet_pair(width: int = 8) -> tuple[ResNet, ResNet]:
 
 def images(batch: int = 4, size: int = 16) -> torch.Tensor:
     return torch.randn(batch, 3, size, size)
+
+
+# -- checkpointing ----------------------------------------------------------------------------
+
+
+class SharedAcrossSegments(nn.Module):
+    """One block reused at two depths, each use its own checkpoint segment (ALBERT-style)."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for _ in range(2):
+            if self.reentrant is None:
+                x = self.block(x)
+            else:
+                x = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return x.pow(2).sum()

@@ -31,6 +31,10 @@ pytestmark = [
     # Dynamo hides an internal ".grad of a non-leaf" warning by swapping warnings.showwarning,
     # which an "error" filter (ours, in pyproject) bypasses: torch's quirk, not ours.
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor:UserWarning"),
+    # Dynamo makes the context of every autograd.Function it traces (the Monitor's gradient
+    # probe) by instantiating Function inside catch_warnings(record=True), which keeps an
+    # "error" filter: torch's quirk again.
+    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
 ]
 
 
@@ -304,3 +308,163 @@ def test_the_checkpoint_test_and_the_sampler_trace_without_a_graph_break() -> No
         x = torch.randn(shape)
         torch.testing.assert_close(compiled(x), hook_body(x))
     assert dict(counters["graph_break"]) == {}
+
+
+# -- fullgraph=True: the compiled branch of the hooks (src/hookscope/_monitor/_compiled.py) ----
+
+
+def compiled_steps(
+    make: Callable[[], nn.Module],
+    data: Callable[[int], Any],
+    loss_of: Callable[[Any], torch.Tensor],
+    *,
+    how: str | None,
+    monitored: bool = True,
+    steps: int = 2,
+    micro: int = 1,
+    **options: Any,
+) -> tuple[list[dict[str, Any]], nn.Module]:
+    """``steps`` SGD steps of a fresh model (seed 0), compiled ``how`` (``"whole"``: the
+    model with ``fullgraph=True``; ``"blocks"``: each GPT-2 block on its own; ``None``:
+    eager), the Monitor attached before; its step records."""
+    torch.manual_seed(0)
+    model = make()
+    mon = hs.Monitor(model, **options) if monitored else None
+    call: Any = model
+    if how == "whole":
+        call = torch.compile(model, backend=BACKEND, fullgraph=True)
+    elif how == "blocks":
+        for block in model.transformer.h:
+            block.compile(backend=BACKEND, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        for i in range(micro):
+            loss_of(call(data(micro * step + i))).backward()
+        opt.step()
+        opt.zero_grad()
+        if mon is not None:
+            mon.step()
+    if mon is None:
+        return [], model
+    mon.close()
+    return [r for r in mon.records if r["type"] == "step"], model
+
+
+def assert_equal_to_eager(compiled: list[dict], eager: list[dict]) -> None:
+    """The same step records (sampled or not), every activation, output-gradient and
+    parameter statistic equal at rtol 1e-3, over the same modules."""
+    kinds = ("act", "grad", "param")
+    assert [r["sampled"] for r in compiled] == [r["sampled"] for r in eager]
+    for got, want in zip(compiled, eager, strict=True):
+        got_numbers, want_numbers = numbers(got, kinds), numbers(want, kinds)
+        assert set(got_numbers) == set(want_numbers)
+        off = {
+            key: (got_numbers[key], value)
+            for key, value in want_numbers.items()
+            if not math.isclose(got_numbers[key], value, rel_tol=1e-3, abs_tol=1e-6)
+        }
+        assert off == {}
+        assert math.isclose(got["scalars"]["loss"], want["scalars"]["loss"], rel_tol=1e-5)
+
+
+def gpt2_blocks() -> nn.Module:
+    model = tiny_gpt2(n_layer=4)
+    model.config.use_cache = False  # transformers' cache recompiles each block by itself
+    return model
+
+
+CASES = {
+    "cnn": (CNN, images, cnn_loss),
+    "gpt2": (tiny_gpt2, gpt2_ids, gpt2_loss),
+}
+
+
+@pytest.mark.parametrize("sample", [None, 64], ids=["every-element", "sampled"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fullgraph_compiles_with_no_graph_break_and_logs_what_eager_logs(
+    case: str, sample: int | None
+) -> None:
+    make, data, loss_of = CASES[case]
+    compiled_steps(make, data, loss_of, how="whole", monitored=False)
+    bare_graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = compiled_steps(make, data, loss_of, how="whole", every=1, sample=sample)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == bare_graphs
+    eager, _ = compiled_steps(make, data, loss_of, how=None, every=1, sample=sample)
+    assert_equal_to_eager(compiled, eager)
+    assert all(r["act"] and r["grad"] for r in compiled)
+
+
+def test_identical_blocks_compiled_one_by_one_compile_once_as_without_the_monitor() -> None:
+    def frames(model: nn.Module) -> int:
+        code = type(model.transformer.h[0]).forward.__code__
+        return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+
+    _, bare = compiled_steps(gpt2_blocks, gpt2_ids, gpt2_loss, how="blocks", monitored=False)
+    bare_frames = frames(bare)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, model = compiled_steps(gpt2_blocks, gpt2_ids, gpt2_loss, how="blocks", every=1)
+    assert frames(model) == bare_frames == 1
+    assert dict(counters["graph_break"]) == {}
+    eager, _ = compiled_steps(gpt2_blocks, gpt2_ids, gpt2_loss, how=None, every=1)
+    assert_equal_to_eager(compiled, eager)
+    assert {f"transformer.h.{i}.mlp.c_fc" for i in range(4)} <= set(compiled[0]["grad"])
+
+
+def test_every_10_compiles_a_sampled_and_an_unsampled_graph() -> None:
+    compiled_steps(CNN, images, cnn_loss, how="whole", monitored=False, steps=12)
+    bare_graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = compiled_steps(CNN, images, cnn_loss, how="whole", every=10, steps=12)
+    assert counters["stats"]["unique_graphs"] <= bare_graphs + 1
+    assert dict(counters["graph_break"]) == {}
+    assert [r["step"] for r in compiled if r["act"]] == [0, 10]
+    eager, _ = compiled_steps(CNN, images, cnn_loss, how=None, every=10, steps=12)
+    assert_equal_to_eager(compiled, eager)
+
+
+def test_micro_batches_combine_as_in_eager_without_a_recompile() -> None:
+    compiled, _ = compiled_steps(CNN, images, cnn_loss, how="whole", every=1, micro=3)
+    assert counters["stats"]["unique_graphs"] == 1
+    eager, _ = compiled_steps(CNN, images, cnn_loss, how=None, every=1, micro=3)
+    assert_equal_to_eager(compiled, eager)
+    assert compiled[0]["act"]["head"]["numel"] == 3 * 4 * 10  # three calls of the head
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_an_overflow_in_a_compiled_model_is_named_to_its_module_and_op(every: int) -> None:
+    def overflowing(how: str | None) -> hs.Finding:
+        torch.manual_seed(0)
+        model = CNN()
+        mon = hs.Monitor(model, every=every)
+        call = torch.compile(model, backend=BACKEND, fullgraph=True) if how else model
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with mon:
+            for step in range(3):
+                if step == 1:
+                    with torch.no_grad():
+                        model.features[1][0].weight.fill_(1e38)
+                cnn_loss(call(images(step))).backward()
+                opt.step()
+                opt.zero_grad()
+                found = [f for f in mon.step() if f.kind == "nonfinite"]
+                if found:
+                    return found[0]
+        raise AssertionError("no nonfinite finding")
+
+    compiled = overflowing("whole")
+    assert dict(counters["graph_break"]) == {}
+    eager = overflowing(None)
+    assert (compiled.module, compiled.step, compiled.phase) == ("features.1.0", 1, "forward")
+    assert (compiled.module, compiled.step, compiled.phase, compiled.op, compiled.source) == (
+        eager.module,
+        eager.step,
+        eager.phase,
+        eager.op,
+        eager.source,
+    )
+    assert compiled.op == "aten.convolution"

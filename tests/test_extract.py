@@ -4,6 +4,7 @@ import torch.nn as nn
 
 import hookscope as hs
 from hookscope.testing import assert_no_hooks
+from models import gpt2, token_ids
 
 
 class Counting(nn.Module):
@@ -75,3 +76,25 @@ def test_exception_in_forward_propagates_and_leaves_no_hooks() -> None:
         hs.extract(model, torch.ones(1, 2), where="2")
     assert_no_hooks(model)
     assert model.training
+
+
+# -- on GPT-2 ------------------------------------------------------------------------------------
+
+
+def test_extract_gpt2_block_0_equals_hidden_states_1_and_restores_training() -> None:
+    model = gpt2(n_layer=3).train()  # dropout on: extract must run in eval mode
+    model.transformer.h[1].eval()  # a mixed state must come back exactly
+    flags = [m.training for m in model.modules()]
+    ids = token_ids()
+    heads = []
+    model.lm_head.register_forward_hook(lambda *a: heads.append(1))
+    feats = hs.extract(model, ids, where="transformer.h.0")
+    assert [m.training for m in model.modules()] == flags
+    assert heads == []  # stopped after block 0
+    model.eval()
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states
+    assert list(feats) == ["transformer.h.0"]
+    assert torch.equal(feats["transformer.h.0"], hidden[1])
+    assert feats["transformer.h.0"].grad_fn is None
+    assert_no_hooks(model, only_hookscope=True)

@@ -1,10 +1,11 @@
-"""hookscope on architectures nobody here wrote, checked against oracles that use no hookscope.
+"""capture on architectures nobody here wrote, checked against oracles that use no hookscope.
 
 GPT-2 and BERT come from transformers (small configs, random weights, nothing downloaded);
 the ResNet is a hand-written copy of torchvision's, with its ``ReLU(inplace=True)`` and
 ``out += identity``. Each test compares what hookscope reports with what plain PyTorch gives:
 ``output_hidden_states``, calling the submodule again, ``torch.autograd.grad``, or a forward
-hook written by hand.
+hook written by hand. (extract and intervene on the same models: test_extract.py,
+test_intervene.py.)
 """
 
 from __future__ import annotations
@@ -22,86 +23,18 @@ import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 
 import hookscope as hs
+from _oracles import (
+    Outputs,
+    assert_same,
+    assert_same_grads,
+    clone_tree,
+    flat,
+    lm_loss,
+)
 from hookscope.testing import assert_no_hooks, hooks_on
-from models import bert, gpt2, images, resnet_pair, token_ids
+from models import SharedAcrossSegments, bert, gpt2, images, resnet_pair, token_ids
 
 ALL = ("input", "output", "grad_input", "grad_output")
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-
-def flat(value: Any) -> list[torch.Tensor]:
-    """Every tensor in a (nested) value, in hookscope's walking order."""
-    from hookscope._tree import tensors
-
-    return tensors(value)
-
-
-def assert_same(a: Any, b: Any) -> None:
-    """Same container type and bit-identical tensors; non-tensor leaves equal."""
-    assert type(a) is type(b) or (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor))
-    if isinstance(a, torch.Tensor):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        assert torch.equal(a, b), (a - b).abs().max()
-    elif isinstance(a, (tuple, list)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for key in a:
-            assert_same(a[key], b[key])
-    elif a is None or isinstance(a, (bool, int, float, str)):
-        assert a == b
-
-
-def clone_tree(value: Any) -> Any:
-    from hookscope._tree import map_tensors
-
-    return map_tensors(lambda t: t.clone(), value)
-
-
-def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids, labels=ids, use_cache=False).loss
-
-
-def param_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {name: p.grad for name, p in model.named_parameters()}
-
-
-def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
-    ga, gb = param_grads(a), param_grads(b)
-    assert list(ga) == list(gb)
-    for name in ga:
-        if ga[name] is None or gb[name] is None:
-            assert ga[name] is None and gb[name] is None, name
-        else:
-            assert torch.equal(ga[name], gb[name]), name
-
-
-class Outputs:
-    """Hand-written oracle: keep (by reference, graph attached) what chosen modules return."""
-
-    def __init__(self, model: nn.Module, names: list[str]) -> None:
-        self.values: dict[str, Any] = {}
-        self.inputs: dict[str, tuple] = {}
-        modules = dict(model.named_modules())
-        self.handles = [
-            modules[name].register_forward_hook(self._hook(name), with_kwargs=True)
-            for name in names
-        ]
-
-    def _hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self.values[name] = output
-            self.inputs[name] = args
-
-        return hook
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 # -- GPT-2: activations ----------------------------------------------------------------------
@@ -379,103 +312,6 @@ def test_root_capture_of_a_hugging_face_model_output() -> None:
     assert_no_hooks(model, only_hookscope=True)  # transformers keeps its own
 
 
-# -- extract -----------------------------------------------------------------------------------
-
-
-def test_extract_gpt2_block_0_equals_hidden_states_1_and_restores_training() -> None:
-    model = gpt2(n_layer=3).train()  # dropout on: extract must run in eval mode
-    model.transformer.h[1].eval()  # a mixed state must come back exactly
-    flags = [m.training for m in model.modules()]
-    ids = token_ids()
-    heads = []
-    model.lm_head.register_forward_hook(lambda *a: heads.append(1))
-    feats = hs.extract(model, ids, where="transformer.h.0")
-    assert [m.training for m in model.modules()] == flags
-    assert heads == []  # stopped after block 0
-    model.eval()
-    with torch.no_grad():
-        hidden = model(ids, output_hidden_states=True).hidden_states
-    assert list(feats) == ["transformer.h.0"]
-    assert torch.equal(feats["transformer.h.0"], hidden[1])
-    assert feats["transformer.h.0"].grad_fn is None
-    assert_no_hooks(model, only_hookscope=True)
-
-
-# -- intervene ---------------------------------------------------------------------------------
-
-
-def test_zero_ablating_every_gpt2_attention_equals_a_hand_written_model_without_it() -> None:
-    model = gpt2()
-    ids = token_ids()
-    with torch.no_grad():
-        base = model(ids, use_cache=False).logits
-
-        def zero(out: Any, site: hs.Site) -> Any:
-            return (torch.zeros_like(out[0]), *out[1:])
-
-        with hs.intervene(model, {"transformer.h.*.attn": zero}):
-            ablated = model(ids, use_cache=False).logits
-
-        # Manual reimplementation: a GPT-2 whose blocks are x + mlp(ln_2(x)).
-        t = model.transformer
-        h = t.wte(ids) + t.wpe(torch.arange(ids.shape[1]))
-        for block in t.h:
-            h = h + block.mlp(block.ln_2(h))
-        manual = model.lm_head(t.ln_f(h))
-        after = model(ids, use_cache=False).logits
-    torch.testing.assert_close(ablated, manual, rtol=1e-6, atol=1e-6)
-    assert not torch.allclose(ablated, base)
-    assert torch.equal(after, base)
-    assert_no_hooks(model)
-
-
-def test_zeroing_a_bert_layer_output_equals_a_hand_written_forward_hook() -> None:
-    model = bert()
-    ids = token_ids()
-    name = "encoder.layer.0.attention.self"
-    with torch.no_grad():
-        base = model(ids).last_hidden_state
-        with hs.intervene(
-            model,
-            {
-                name: lambda out, site: (
-                    tuple(torch.zeros_like(o) if o is not None else None for o in out)
-                    if isinstance(out, tuple)
-                    else torch.zeros_like(out)
-                )
-            },
-        ):
-            ablated = model(ids).last_hidden_state
-
-        def by_hand(module: nn.Module, args: Any, output: Any) -> Any:
-            if isinstance(output, tuple):
-                return tuple(torch.zeros_like(o) if o is not None else None for o in output)
-            return torch.zeros_like(output)
-
-        handle = model.get_submodule(name).register_forward_hook(by_hand)
-        manual = model(ids).last_hidden_state
-        handle.remove()
-    assert torch.equal(ablated, manual)
-    assert not torch.allclose(ablated, base)
-    assert_no_hooks(model)
-
-
-def test_identity_intervention_on_gpt2_changes_nothing_including_gradients() -> None:
-    model = gpt2()
-    bare = copy.deepcopy(model)
-    ids = token_ids()
-    seen: list[str] = []
-
-    def watch(value: Any, site: hs.Site) -> None:
-        seen.append(site.name)
-
-    with hs.intervene(model, "transformer.h.*", watch, at="grad_output"):
-        lm_loss(model, ids).backward()
-    lm_loss(bare, ids).backward()
-    assert sorted(seen) == ["transformer.h.0", "transformer.h.1"]
-    assert_same_grads(model, bare)
-
-
 # -- activation checkpointing ----------------------------------------------------------------
 
 
@@ -566,49 +402,6 @@ def test_checkpointed_gpt2_gradients_equal_plain_ones() -> None:
     assert_no_hooks(model, only_hookscope=True)  # transformers hooks wte for checkpointing
 
 
-def _checkpointed_gpt2_pair() -> tuple[nn.Module, nn.Module]:
-    model = gpt2()
-    plain = copy.deepcopy(model)
-    model.activation_checkpointing_enable({"use_reentrant": False})
-    for m in [*model.modules(), *plain.modules()]:
-        m.train()
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-    return model, plain
-
-
-def test_intervening_on_checkpointed_gpt2_gives_the_gradients_of_the_plain_model() -> None:
-    model, plain = _checkpointed_gpt2_pair()
-    ids = token_ids()
-    edits = {"transformer.h.*.mlp": lambda out, site: out * 0.5}
-    grads = {"transformer.h.*.attn": lambda g, site: g * 2.0}
-    for m in (model, plain):
-        with hs.intervene(m, edits), hs.intervene(m, grads, at="grad_output"):
-            lm_loss(m, ids).backward()
-    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    assert_no_hooks(model, only_hookscope=True)
-
-
-class SharedAcrossSegments(nn.Module):
-    """One block reused at two depths, each use its own checkpoint segment (ALBERT-style)."""
-
-    def __init__(self, reentrant: bool | None) -> None:
-        super().__init__()
-        self.stem = nn.Linear(4, 4)
-        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-        self.reentrant = reentrant
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for _ in range(2):
-            if self.reentrant is None:
-                x = self.block(x)
-            else:
-                x = ckpt.checkpoint(self.block, x, use_reentrant=self.reentrant)
-        return x.pow(2).sum()
-
-
 @pytest.mark.parametrize(
     "reentrant",
     [False, True],
@@ -632,28 +425,6 @@ def test_gradients_of_a_module_shared_across_checkpoint_segments_go_to_the_right
         assert torch.equal(a.output, b.output)
         torch.testing.assert_close(a.grad_output[0], b.grad_output[0])
         torch.testing.assert_close(a.grad_input[0], b.grad_input[0])
-
-
-@pytest.mark.parametrize(
-    "reentrant",
-    [False, True],
-    ids=["non_reentrant", "reentrant"],
-)
-def test_call_dependent_edit_under_checkpointing_gives_the_plain_gradients(reentrant: bool) -> None:
-    plain = SharedAcrossSegments(None)
-    model = copy.deepcopy(plain)
-    model.reentrant = reentrant
-    x = torch.randn(3, 4)
-    edit = {"block.0": lambda out, site: out * 3 if site.call == 1 else None}
-    losses = []
-    for m in (model, plain):
-        with hs.intervene(m, edit):
-            loss = m(x)
-            loss.backward()
-        losses.append(loss)
-    assert torch.equal(losses[0], losses[1])  # the forward pass is right ...
-    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)  # ... the recompute is not
 
 
 # -- torch.compile -----------------------------------------------------------------------------

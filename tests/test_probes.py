@@ -1,0 +1,73 @@
+"""The Monitor's probes measure what plain torch measures, on a CNN with in-place ReLUs.
+
+With ``sample=None`` every statistic is exact: each probe's numbers in a step record are
+compared with the same statistic computed by hand from hooks that use no hookscope
+(activations, output gradients), from ``p.grad`` and the update (parameters), and from the
+BatchNorm buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+from models import images, resnet_pair
+
+CHOSEN = ["bn1", "layer1.0.bn2", "layer2.0.conv1", "fc"]
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).logsumexp(-1).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_every_probe_equals_plain_torch_on_a_cnn_with_in_place_relus() -> None:
+    model, plain = resnet_pair()
+    model.train(), plain.train()
+    x = images()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    _step(model, opt, x), _step(plain, plain_opt, x)  # both past step 0: the same weights
+    outs, grads = {}, {}
+    for name in CHOSEN:  # the oracle: the plain twin's outputs and their gradients
+        module = plain.get_submodule(name)
+        module.register_forward_hook(lambda m, a, out, name=name: outs.__setitem__(name, out))
+        module.register_full_backward_hook(
+            lambda m, gi, go, name=name: grads.__setitem__(name, go[0])
+        )
+    before = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    plain(x).logsumexp(-1).sum().backward()
+    param_grads = {n: p.grad.norm().item() for n, p in plain.named_parameters()}
+    plain_opt.step()
+    with hs.Monitor(model, where=CHOSEN, every=1, sample=None, optimizer=opt) as mon:
+        loss = model(x).logsumexp(-1).sum()
+        loss.backward()
+        opt.step()
+        mon.step(loss=loss)
+    record = mon.records[-1]
+    for name in CHOSEN:
+        out, act = outs[name].detach().double(), record["act"][name]
+        assert act["numel"] == out.numel() == act["sampled"]
+        assert act["mean"] == pytest.approx(out.mean().item(), abs=1e-6), name
+        assert act["std"] == pytest.approx(out.std(correction=0).item(), rel=1e-5), name
+        assert act["absmax"] == pytest.approx(out.abs().max().item(), rel=1e-6), name
+        assert act["zero_frac"] == pytest.approx((out == 0).double().mean().item()), name
+        assert record["grad"][name]["norm"] == pytest.approx(grads[name].norm().item(), rel=1e-5)
+    for name, p in plain.named_parameters():
+        stats = record["param"][name]
+        assert stats["grad_norm"] == pytest.approx(param_grads[name], rel=1e-5), name
+        if p.dim() < 2:  # update ratios concern weight matrices and kernels only
+            assert "update_ratio" not in stats, name
+            continue
+        ratio = ((p.detach() - before[name]).norm() / before[name].norm()).item()
+        assert stats["update_ratio"] == pytest.approx(ratio, rel=1e-4, abs=1e-12), name
+    for name, module in plain.named_modules():
+        if isinstance(module, nn.BatchNorm2d):
+            bn = record["bn"][name]
+            assert bn["running_mean"] == pytest.approx(module.running_mean.mean().item(), abs=1e-6)
+            assert bn["running_var"] == pytest.approx(module.running_var.mean().item(), rel=1e-5)
