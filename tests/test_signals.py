@@ -17,7 +17,8 @@ from torch import nn
 import hookscope as hs
 from hookscope._diagnose import Thresholds
 from hookscope._log import Window
-from hookscope._monitor._signals import MAD_TO_STD, Rolling, group_of
+from hookscope._monitor._buffer import StepBuffer
+from hookscope._monitor._signals import MAD_TO_STD, WEIGHT_SAMPLE, Rolling, WeightNorms, group_of
 
 DOC = (Path(__file__).parents[1] / "docs" / "log-format.md").read_text()
 AT = 40  # the step a fault is injected at
@@ -156,6 +157,23 @@ def test_the_block_whose_weights_were_scaled_is_named(factor: float) -> None:
         spike.message
     )
     assert f"(step {AT - 1}) to" in spike.message
+
+
+def test_weight_norms_read_the_same_strided_sample_of_each_parameter() -> None:
+    """At most WEIGHT_SAMPLE weights per parameter, spread over all of it, summed per group."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 8))  # 60,000 and 1,600 weights
+    norms = WeightNorms(dict(model.named_parameters()))
+    buf = StepBuffer()
+    norms.measure(buf)
+    got = norms.read(buf.to_host())
+    w = model[0].weight.detach().reshape(-1)
+    stride = math.ceil(w.numel() / WEIGHT_SAMPLE)
+    assert w[::stride].numel() <= WEIGHT_SAMPLE
+    expected = w[::stride].abs().sum() + model[0].bias.detach().abs().sum()
+    assert got["0"] == pytest.approx(expected.item(), rel=1e-5)
+    small = sum(p.detach().abs().sum() for p in model[1].parameters())  # all of them
+    assert got["1"] == pytest.approx(small.item(), rel=1e-5)
 
 
 def test_group_norms_are_the_l1_norms_of_the_gradients_before_the_update() -> None:

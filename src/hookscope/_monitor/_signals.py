@@ -15,10 +15,11 @@ steps, and the window is handed back to be logged.
 Gradients alone cannot name a block whose *weights* changed (scaled by a bad merge or
 checkpoint surgery, or by an update that a tiny Adam epsilon blew up): the loss spikes in the
 same forward pass, and the gradient that grows most is the one of the block *below*, which
-flows through the changed weights. So the window also keeps, per group, the L1 norm of its
-weights just before each update (:class:`WeightNorms`: one more fused ``_foreach_norm``,
-carried by the same transfer; 0.003x of a GPT-2 step on this CPU) and judges the change of
-that norm from step to step, the update norm's shadow, by the same rule.
+flows through the changed weights. So the window also keeps, per group, the L1 norm of a
+fixed sample of its weights just before each update (:class:`WeightNorms`: one more fused
+``_foreach_norm`` over at most 4096 weights per parameter, carried by the same transfer) and
+judges the change of that norm from step to step, the update norm's shadow, by the same
+rule.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = ["Rolling", "SkipList", "Spike", "SpikeWatch", "WeightNorms", "group_o
 
 # MAD x 1.4826 estimates the standard deviation of normal data.
 MAD_TO_STD = 1.4826
+WEIGHT_SAMPLE = 4096  # weights read per parameter and step by WeightNorms
 
 
 def group_of(param: str) -> str:
@@ -90,22 +92,27 @@ class Rolling:
 
 
 class WeightNorms:
-    """Per parameter, the L1 norm of its weights just before the step's first update.
+    """Per parameter, the L1 norm of a fixed strided sample of its weights (at most
+    ``WEIGHT_SAMPLE`` elements, the same ones every step), just before the step's first
+    update.
 
-    One ``torch._foreach_norm`` per device, stacked, put in the step's buffer (no transfer of
-    its own): :meth:`measure` is called before the update, once per step; :meth:`read`
-    returns them summed per group after the step's transfer.
+    A sample, not every weight: a weight scaled or replaced changes its sample as much, an
+    update changes it alike, and a pass over every weight on every step would cost as much
+    as the gradient check (a few percent of a step on a CPU) where the sample costs nothing.
+    One ``torch._foreach_norm`` per device and dtype, stacked, put in the step's buffer (no
+    transfer of its own): :meth:`measure` is called before the update, once per step;
+    :meth:`read` returns them summed per group after the step's transfer.
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
         self.group = [group_of(n) for n in params]
-        by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        kinds: dict[tuple, tuple[list[int], list[tuple[torch.Tensor, int]]]] = {}
         for i, p in enumerate(params.values()):
             shard = local(p)  # a DTensor's own shard: its norm changes as the whole does
-            indices, tensors = by_device.setdefault(shard.device, ([], []))
+            indices, tensors = kinds.setdefault((shard.device, shard.dtype), ([], []))
             indices.append(i)
-            tensors.append(shard)
-        self._devices = list(by_device.values())
+            tensors.append((p, max(1, -(-shard.numel() // WEIGHT_SAMPLE))))
+        self._kinds = list(kinds.values())
         self._measured = False
 
     def measure(self, buf: StepBuffer) -> None:
@@ -113,13 +120,14 @@ class WeightNorms:
             return  # a second optimizer of the step: its update is not the step's first
         self._measured = True
         with torch.no_grad():
-            for k, (_, tensors) in enumerate(self._devices):
-                buf.set(("weights", k), torch.stack(torch._foreach_norm(tensors, 1)).float())
+            for k, (_, tensors) in enumerate(self._kinds):
+                samples = [local(p).detach().reshape(-1)[::stride] for p, stride in tensors]
+                buf.set(("weights", k), torch.stack(torch._foreach_norm(samples, 1)).float())
 
     def read(self, host: Host) -> dict[str, float]:
         self._measured = False
         sums: dict[str, float] = {}
-        for k, (indices, _) in enumerate(self._devices):
+        for k, (indices, _) in enumerate(self._kinds):
             values = host.get(("weights", k))
             for i, value in zip(indices, values or (), strict=False):
                 sums[self.group[i]] = sums.get(self.group[i], 0.0) + value
