@@ -28,7 +28,15 @@ same way; the baseline is then the Monitor without checks, not the bare step). `
 the same for the rolling window of large-model signals (``_signals.SpikeWatch``: the loss,
 per-group gradient and weight norms on every step).
 
-    python benchmarks/bench_monitor.py [--quick] [--only gpt2|cnn|mem] [--pairs N] [--checks | --window]
+With ``--compiled``: the compiled rows. Both copies run through ``torch.compile(copy)``
+(``--backend``, Inductor by default; the Monitor attached before compiling, Dynamo reset
+before each row) and the Monitor rows (``every=None``, ``10``, ``1``) are timed against the
+compiled bare step, paired and interleaved the same way, after a warm-up that compiles every
+graph. Dynamo's ``skip_nnmodule_hook_guards`` is off for these rows: two copies of one class
+in one process otherwise share compiled graphs (the bare copy would run the watched copy's
+graph, hooks and all, or the reverse).
+
+    python benchmarks/bench_monitor.py [--quick] [--only gpt2|cnn|mem] [--pairs N] [--checks | --window | --compiled] [--backend B]
 
 wandb is a benchmark-only dependency (``pip install -c constraints.txt wandb``); without it
 that row is skipped with the reason.
@@ -280,9 +288,11 @@ def paired(
     pairs: int,
     warmup: int,
     baseline: Callable[[nn.Module], Condition] = lambda m: Condition(),
+    wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
 ) -> tuple[str, str]:
     """One condition on its own copy of the model against a copy under ``baseline`` (by
-    default the bare step): (note, result cells)."""
+    default the bare step): (note, result cells). Both copies are called through ``wrap``
+    (``torch.compile``, say), applied once the conditions are attached."""
     bare, model = copy.deepcopy(base), copy.deepcopy(base)
     bare_opt, opt = make_opt(bare), make_opt(model)
     bare_cond = baseline(bare)
@@ -290,15 +300,16 @@ def paired(
         cond = make(model)
     except ImportError as e:
         return "", f"skipped: not installed ({one_line(e)}) | | "
+    bare_call, call = wrap(bare), wrap(model)
     try:
         times: list[tuple[float, float]] = []
         for i in range(warmup + pairs):
             if i % 2 == 0:
-                tb = timed_step(bare, bare_opt, loss_of, bare_cond)
-                tw = timed_step(model, opt, loss_of, cond)
+                tb = timed_step(bare_call, bare_opt, loss_of, bare_cond)
+                tw = timed_step(call, opt, loss_of, cond)
             else:
-                tw = timed_step(model, opt, loss_of, cond)
-                tb = timed_step(bare, bare_opt, loss_of, bare_cond)
+                tw = timed_step(call, opt, loss_of, cond)
+                tb = timed_step(bare_call, bare_opt, loss_of, bare_cond)
             if i >= warmup:
                 times.append((tb, tw))
     finally:
@@ -383,6 +394,69 @@ def without_window(model: nn.Module, **kwargs: Any) -> Monitor:
 
 
 PARTS = {"checks": without_checks, "window": without_window}
+
+
+COMPILED_ROWS = {
+    "`hs.Monitor(model, every=None)`, compiled": {"every": None},
+    "`hs.Monitor(model, every=10)`, compiled": {"every": 10},
+    "`hs.Monitor(model, every=1)`, compiled": {"every": 1},
+}
+
+
+def measure_compiled(key: str, pairs: int, warmup: int, backend: str) -> list[tuple[str, str]]:
+    """Rows of (Monitor, result cells): the compiled step with the Monitor against the
+    compiled bare step."""
+    import torch._dynamo
+
+    label, build = MODELS[key]
+    torch.manual_seed(0)
+    base, loss_of, make_opt = build()
+    base.train()
+    print(f"{label}: compiled ({backend}) with the Monitor vs compiled bare", flush=True)
+    rows = []
+    for name, kw in COMPILED_ROWS.items():
+        gc.collect()
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        try:
+            _, cell = paired(
+                base,
+                loss_of,
+                make_opt,
+                lambda m: Monitor(m, **kw),  # noqa: B023
+                pairs,
+                warmup,
+                wrap=lambda m: torch.compile(m, backend=backend),
+            )
+        except Exception as e:  # one failing row must not stop the others
+            traceback.print_exc(limit=-3)
+            cell = f"error: {one_line(e)} | | "
+        rows.append((name, cell))
+        print(f"  {name}: {cell}   [{time.perf_counter() - t0:.0f} s]", flush=True)
+    return rows
+
+
+def main_compiled(only: str | None, pairs: int, warmup: int, backend: str) -> None:
+    """``--compiled``: each Monitor row through torch.compile against the compiled bare step."""
+    import torch._dynamo
+
+    torch._dynamo.config.skip_nnmodule_hook_guards = False  # see the module docstring
+    start = time.perf_counter()
+    results = {
+        key: measure_compiled(key, pairs, warmup, backend) for key in MODELS if only in (None, key)
+    }
+    print(
+        f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, backend {backend!r}; "
+        f"{pairs} pairs per row ({warmup} warm-up, compiling included); ratio of summed step "
+        "times to the compiled bare step (median of per-pair ratios); ms = mean step time"
+    )
+    for key, rows in results.items():
+        print(f"\n**{MODELS[key][0]}**, compiled train step\n")
+        print("| condition | ratio (median) | compiled bare ms | with ms |")
+        print("|---|---:|---:|---:|")
+        for name, cell in rows:
+            print(f"| {name} | {cell} |")
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
 CHECK_ROWS = {
@@ -533,6 +607,12 @@ def main() -> None:
     parser.add_argument(
         "--checks", action="store_true", help="the checks of invariants on vs off, per Monitor"
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="the Monitor rows through torch.compile, against the compiled bare step",
+    )
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--mem-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mem_child:
@@ -543,6 +623,9 @@ def main() -> None:
     warmup = 3
     if args.checks or args.window:
         main_checks(args.only, pairs, warmup, "window" if args.window else "checks")
+        return
+    if args.compiled:
+        main_compiled(args.only, pairs, max(warmup, 4), args.backend)
         return
     start = time.perf_counter()
     results = {}

@@ -385,6 +385,7 @@ def test_fullgraph_compiles_with_no_graph_break_and_logs_what_eager_logs(
     case: str, sample: int | None
 ) -> None:
     make, data, loss_of = CASES[case]
+    eager, _ = compiled_steps(make, data, loss_of, how=None, every=1, sample=sample)
     compiled_steps(make, data, loss_of, how="whole", monitored=False)
     bare_graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
@@ -392,7 +393,6 @@ def test_fullgraph_compiles_with_no_graph_break_and_logs_what_eager_logs(
     compiled, _ = compiled_steps(make, data, loss_of, how="whole", every=1, sample=sample)
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == bare_graphs
-    eager, _ = compiled_steps(make, data, loss_of, how=None, every=1, sample=sample)
     assert_equal_to_eager(compiled, eager)
     assert all(r["act"] and r["grad"] for r in compiled)
 
@@ -402,6 +402,7 @@ def test_identical_blocks_compiled_one_by_one_compile_once_as_without_the_monito
         code = type(model.transformer.h[0]).forward.__code__
         return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
+    eager, _ = compiled_steps(gpt2_blocks, gpt2_ids, gpt2_loss, how=None, every=1)
     _, bare = compiled_steps(gpt2_blocks, gpt2_ids, gpt2_loss, how="blocks", monitored=False)
     bare_frames = frames(bare)
     torch._dynamo.reset()
@@ -409,12 +410,12 @@ def test_identical_blocks_compiled_one_by_one_compile_once_as_without_the_monito
     compiled, model = compiled_steps(gpt2_blocks, gpt2_ids, gpt2_loss, how="blocks", every=1)
     assert frames(model) == bare_frames == 1
     assert dict(counters["graph_break"]) == {}
-    eager, _ = compiled_steps(gpt2_blocks, gpt2_ids, gpt2_loss, how=None, every=1)
     assert_equal_to_eager(compiled, eager)
     assert {f"transformer.h.{i}.mlp.c_fc" for i in range(4)} <= set(compiled[0]["grad"])
 
 
 def test_every_10_compiles_a_sampled_and_an_unsampled_graph() -> None:
+    eager, _ = compiled_steps(CNN, images, cnn_loss, how=None, every=10, steps=12)
     compiled_steps(CNN, images, cnn_loss, how="whole", monitored=False, steps=12)
     bare_graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
@@ -422,15 +423,14 @@ def test_every_10_compiles_a_sampled_and_an_unsampled_graph() -> None:
     compiled, _ = compiled_steps(CNN, images, cnn_loss, how="whole", every=10, steps=12)
     assert counters["stats"]["unique_graphs"] <= bare_graphs + 1
     assert dict(counters["graph_break"]) == {}
-    assert [r["step"] for r in compiled if r["act"]] == [0, 10]
-    eager, _ = compiled_steps(CNN, images, cnn_loss, how=None, every=10, steps=12)
+    assert [r["step"] for r in compiled if r.get("act")] == [0, 10]
     assert_equal_to_eager(compiled, eager)
 
 
 def test_micro_batches_combine_as_in_eager_without_a_recompile() -> None:
+    eager, _ = compiled_steps(CNN, images, cnn_loss, how=None, every=1, micro=3)
     compiled, _ = compiled_steps(CNN, images, cnn_loss, how="whole", every=1, micro=3)
     assert counters["stats"]["unique_graphs"] == 1
-    eager, _ = compiled_steps(CNN, images, cnn_loss, how=None, every=1, micro=3)
     assert_equal_to_eager(compiled, eager)
     assert compiled[0]["act"]["head"]["numel"] == 3 * 4 * 10  # three calls of the head
 
@@ -456,9 +456,9 @@ def test_an_overflow_in_a_compiled_model_is_named_to_its_module_and_op(every: in
                     return found[0]
         raise AssertionError("no nonfinite finding")
 
+    eager = overflowing(None)
     compiled = overflowing("whole")
     assert dict(counters["graph_break"]) == {}
-    eager = overflowing(None)
     assert (compiled.module, compiled.step, compiled.phase) == ("features.1.0", 1, "forward")
     assert (compiled.module, compiled.step, compiled.phase, compiled.op, compiled.source) == (
         eager.module,
@@ -468,3 +468,23 @@ def test_an_overflow_in_a_compiled_model_is_named_to_its_module_and_op(every: in
         eager.source,
     )
     assert compiled.op == "aten.convolution"
+
+
+def test_an_evaluation_pass_through_the_compiled_model_adds_no_graph_break() -> None:
+    torch.manual_seed(0)
+    model = CNN()
+    call = torch.compile(model, backend=BACKEND, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with hs.Monitor(model, every=1) as mon:
+        for step in range(2):
+            cnn_loss(call(images(step))).backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                call(images(99))
+            model.train()
+            mon.step()
+    assert dict(counters["graph_break"]) == {}
+    steps = [r for r in mon.records if r["type"] == "step"]
+    assert all(sorted(s["act"]) == sorted(mon.modules) for s in steps)

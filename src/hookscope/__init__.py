@@ -25,9 +25,11 @@ _WHERE = {
     "Finding": "._diagnose",
     "Thresholds": "._diagnose",
     "CompiledModelError": "._errors",
+    "FeatureStoreError": "._errors",
     "HookscopeError": "._errors",
     "HookscopeWarning": "._errors",
     "InterventionError": "._errors",
+    "MissingRecordError": "._errors",
     "NeverCalledWarning": "._errors",
     "NoGradWarning": "._errors",
     "NonFiniteError": "._errors",
@@ -60,9 +62,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._diagnose import Finding as Finding
     from ._diagnose import Thresholds as Thresholds
     from ._errors import CompiledModelError as CompiledModelError
+    from ._errors import FeatureStoreError as FeatureStoreError
     from ._errors import HookscopeError as HookscopeError
     from ._errors import HookscopeWarning as HookscopeWarning
     from ._errors import InterventionError as InterventionError
+    from ._errors import MissingRecordError as MissingRecordError
     from ._errors import NeverCalledWarning as NeverCalledWarning
     from ._errors import NoGradWarning as NoGradWarning
     from ._errors import NonFiniteError as NonFiniteError
@@ -103,6 +107,7 @@ __all__ = [
     "Capture",
     "CompiledModelError",
     "FeatureStore",
+    "FeatureStoreError",
     "Finding",
     "HookscopeError",
     "HookscopeWarning",
@@ -110,6 +115,7 @@ __all__ = [
     "InterventionError",
     "JsonlSink",
     "MemorySink",
+    "MissingRecordError",
     "Monitor",
     "NeverCalledWarning",
     "NoGradWarning",

@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import HookscopeError, NeverCalledWarning, NoGradWarning
+from ._errors import (
+    HookscopeError,
+    MissingRecordError,
+    NeverCalledWarning,
+    NoGradWarning,
+    name_list,
+    never_ran_message,
+)
 from ._hooks import HookSet, eager_model, in_backward_recompute
 from ._record import Keeper, Record
 from ._select import Where, select
@@ -26,13 +33,6 @@ from ._sites import (
 from ._tree import tensors
 
 __all__ = ["Capture", "capture"]
-
-
-class MissingRecordError(HookscopeError, KeyError):
-    """A capture has no record for the module asked for."""
-
-    def __str__(self) -> str:  # KeyError would quote the whole message
-        return str(self.args[0])
 
 
 def capture(
@@ -253,7 +253,7 @@ class Capture:
             )
         never = [name for name in self._named if not self._records[name]]
         if never:
-            warnings.warn(_never_ran_message(never), NeverCalledWarning, stacklevel=2)
+            warnings.warn(never_ran_message(never), NeverCalledWarning, stacklevel=2)
 
     def _waiting(self) -> list[str]:
         """Why gradients asked for never came, one message per cause."""
@@ -268,7 +268,7 @@ class Capture:
         messages = []
         if user:
             messages.append(
-                f"{asked} {_names(sorted(user))}, but the forward pass ran under "
+                f"{asked} {name_list(sorted(user))}, but the forward pass ran under "
                 "torch.no_grad() or torch.inference_mode(), so no gradient was recorded. Run "
                 "the forward pass with autograd enabled and call backward() inside the `with` "
                 "block, or capture only 'input'/'output'."
@@ -279,12 +279,12 @@ class Capture:
                     asked,
                     "no gradient was recorded",
                     "capture only 'input'/'output' of these",
-                    _names(sorted(model)),
+                    name_list(sorted(model)),
                 )
             )
         if unmatched:
             messages.append(
-                f"{asked} {_names(sorted(unmatched))}: the model ran them with autograd off "
+                f"{asked} {name_list(sorted(unmatched))}: the model ran them with autograd off "
                 "and again during backward(), but they are called more than once per forward "
                 "pass and hookscope could not tell which call each re-run repeats, so it "
                 "recorded no gradient for them rather than a possibly wrong one. Capture the "
@@ -308,7 +308,7 @@ class Capture:
             )
         records = self._records[name]
         if not records:
-            raise MissingRecordError(_never_ran_message([name]))
+            raise MissingRecordError(never_ran_message([name]))
         if not self._keeper.clone:
             for record in records:
                 _check_unchanged(record)
@@ -340,7 +340,7 @@ class Capture:
             for record in self._records[name]:
                 lines.append(f"  {record!r}")
         if self.missing:
-            lines.append(f"  never ran: {_names(self.missing)}")
+            lines.append(f"  never ran: {name_list(self.missing)}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -356,20 +356,6 @@ def _exact_names(where: Where, names: tuple[str, ...]) -> list[str]:
         [where] if isinstance(where, str) else (where if isinstance(where, (list, tuple)) else [])
     )
     return [item for item in items if isinstance(item, str) and item in names]
-
-
-def _names(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _never_ran_message(names: list[str]) -> str:
-    return (
-        f"{_names(names)} never ran while hooks were attached: either the model did not use "
-        "it in this forward pass, or its parent calls `.forward(...)` on it directly, which "
-        "skips every hook. Call the module itself (`self.block(x)`, not "
-        "`self.block.forward(x)`), or choose a module that does run."
-    )
 
 
 def _check_unchanged(record: Record) -> None:

@@ -139,8 +139,10 @@ def run_demo(
 def _train(
     log_dir: Path, epochs: int, fault: str, seed: int, every: int, progress: bool
 ) -> DemoResult:
-    from . import Monitor, extract, summary
+    from ._extract import extract
+    from ._monitor import Monitor
     from ._report import report
+    from ._summary import summary
 
     start = time.perf_counter()
     torch.manual_seed(seed)

@@ -3,6 +3,10 @@
 Every error says what was wrong, what was expected and what to do. Each one also inherits
 the builtin a user would naturally catch (``LookupError`` for a bad name, ``ValueError`` for a
 bad replacement), so ``except LookupError`` keeps working.
+
+Below the public classes sit the few pieces the verbs share that are not public: the signal
+that ends a forward pass early and the "never ran" message. They live here, at the bottom of
+the import graph, so no verb imports another verb's private names.
 """
 
 from __future__ import annotations
@@ -21,6 +25,17 @@ class SelectionError(HookscopeError, LookupError):
 
 class InterventionError(HookscopeError, ValueError):
     """An intervention returned a value of the wrong structure, shape or type."""
+
+
+class MissingRecordError(HookscopeError, KeyError):
+    """A capture has no record for the module asked for."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])
+
+
+class FeatureStoreError(HookscopeError, ValueError):
+    """``out`` holds another extraction, or is not a hookscope feature store, or is damaged."""
 
 
 class CompiledModelError(HookscopeError, RuntimeError):
@@ -82,3 +97,28 @@ def did_you_mean(name: str, options: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the closest of ``options``, or ``""``."""
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# -- shared by the verbs, not public -----------------------------------------------------------
+class StopForward(Exception):
+    """Raised by a hook after the last module it waits for, to end the forward pass there.
+
+    Not a :class:`HookscopeError`: it never reaches the user, because the verb that raises it
+    (``extract``, ``extract_dataset``) suppresses it around the model call.
+    """
+
+
+def name_list(names: list[str], limit: int = 8) -> str:
+    """``'a', 'b' and 3 more``: module names for a message, at most ``limit`` of them."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def never_ran_message(names: list[str]) -> str:
+    """Why chosen modules can have no record, and what to do: one text for every verb."""
+    return (
+        f"{name_list(names)} never ran while hooks were attached: either the model did not use "
+        "it in this forward pass, or its parent calls `.forward(...)` on it directly, which "
+        "skips every hook. Call the module itself (`self.block(x)`, not "
+        "`self.block.forward(x)`), or choose a module that does run."
+    )

@@ -9,17 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import HookscopeError
+from ._errors import HookscopeError, StopForward, never_ran_message
 from ._hooks import HookSet, eager_calls, training_mode, uncompiled
 from ._record import Keeper
 from ._select import Where, select
 from ._sites import forward_failed
 
 __all__ = ["extract"]
-
-
-class _StopForward(Exception):
-    """Raised by the hook of the last chosen module to end the forward pass there."""
 
 
 def extract(
@@ -72,16 +68,14 @@ def extract(
         found[name] = keeper.value(output)
         pending.discard(name)
         if not pending:
-            raise _StopForward
+            raise StopForward  # the last chosen module ran: end the pass here
 
     with HookSet("extract") as hooks, training_mode(model, False if eval else model.training):
         for name, module in chosen.items():
             hooks.forward(module, functools.partial(keep, name))
-        with torch.no_grad(), eager_calls(), contextlib.suppress(_StopForward):
+        with torch.no_grad(), eager_calls(), contextlib.suppress(StopForward):
             model(*inputs, **kwargs)
     if pending:
-        from ._capture import _never_ran_message
-
         missing = [name for name in chosen if name in pending]
-        raise HookscopeError("extract: " + _never_ran_message(missing))
+        raise HookscopeError("extract: " + never_ran_message(missing))
     return {name: found[name] for name in chosen}

@@ -17,6 +17,7 @@ and the user's and other libraries' hooks travel as they always did.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import warnings
 import weakref
@@ -51,8 +52,12 @@ _LIVE: weakref.WeakSet[HookSet] = weakref.WeakSet()
 # (an LSTMCell unrolled over 1,000 steps hooks several thousand outputs per backward).
 _PRUNE_AT = 4096
 
-# Ids (``RemovableHandle.id``, unique in the process) of the hooks live HookSets put into the
-# hook dicts of modules: what a module's pickled state leaves out.
+# Keys of always-called forward hooks, one per role in a HookSet (HookSet._always_called).
+_ROLE_KEYS = itertools.count(-1, -1)
+
+# Ids (``RemovableHandle.id``: unique in the process, or a role key unique to its HookSet) of
+# the hooks live HookSets put into the hook dicts of modules: what a module's pickled state
+# leaves out.
 _MODULE_HOOK_IDS: set[int] = set()
 
 
@@ -69,6 +74,7 @@ class HookSet:
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
         self._prune_at = _PRUNE_AT
+        self._roles: dict[Any, int] = {}  # always-called hooks: their key, by role
         # Ids of the hooks this set put on modules; forgotten also when the set is collected
         # without remove() (its modules went with it).
         self._module_ids: set[int] = set()
@@ -85,8 +91,34 @@ class HookSet:
     def forward(
         self, module: nn.Module, fn: Callable[..., Any], *, always_call: bool = False
     ) -> None:
-        handle = module.register_forward_hook(fn, with_kwargs=True, always_call=always_call)
+        if always_call:
+            handle = self._always_called(module, fn)
+        else:
+            handle = module.register_forward_hook(fn, with_kwargs=True)
         self._keep_module_hook(handle)
+
+    def _always_called(self, module: nn.Module, fn: Callable[..., Any]) -> RemovableHandle:
+        """``register_forward_hook(fn, with_kwargs=True, always_call=True)``, keyed by the
+        hook's role in this set (its function's code) rather than by a fresh id.
+
+        ``torch.compile`` guards on the keys of a module's always-called hooks: with a fresh
+        id per module, each of N identical blocks compiled one by one would compile again.
+        One key for the same hook on every module keeps them one graph. (Keys are negative:
+        torch's own ids count up from 0.)
+        """
+        role = _code_of(fn)
+        key = self._roles.get(role) if role is not None else None
+        if key is None and role is not None:
+            key = self._roles[role] = next(_ROLE_KEYS)
+        if key is None or key in module._forward_hooks:  # twice on one module: a fresh id
+            return module.register_forward_hook(fn, with_kwargs=True, always_call=True)
+        extra = [module._forward_hooks_with_kwargs, module._forward_hooks_always_called]
+        handle = RemovableHandle(module._forward_hooks, extra_dict=extra)
+        handle.id = key
+        module._forward_hooks[key] = fn
+        for marks in extra:
+            marks[key] = True
+        return handle
 
     def _keep_module_hook(self, handle: RemovableHandle) -> None:
         self._module_ids.add(handle.id)
@@ -145,6 +177,12 @@ class HookSet:
 
     def __repr__(self) -> str:
         return f"HookSet(owner={self.owner!r}, {len(self)} hooks)"
+
+
+def _code_of(fn: Callable[..., Any]) -> Any:
+    """The code object behind a hook (through ``functools.partial`` and bound methods)."""
+    fn = getattr(fn, "func", fn)
+    return getattr(getattr(fn, "__func__", fn), "__code__", None)
 
 
 def _alive(handle: RemovableHandle) -> bool:

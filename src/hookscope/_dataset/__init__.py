@@ -33,7 +33,7 @@ The package, each module importing only those above it in this list:
 
 from __future__ import annotations
 
-from ._format import FeatureStoreError
+from .._errors import FeatureStoreError
 from ._run import extract_dataset
 from ._store import FeatureColumn, FeatureStore
 

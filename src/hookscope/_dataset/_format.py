@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from .._errors import HookscopeError
+from .._errors import FeatureStoreError
 
 __all__ = [
     "CODES",
     "FORMAT",
     "OURS",
     "VERSION",
-    "FeatureStoreError",
+    "FeatureStoreError",  # defined in _errors; also importable from here
     "dtype_name",
     "files",
     "read_ledger",
@@ -38,10 +38,6 @@ __all__ = [
 FORMAT = "hookscope.features"
 VERSION = 1
 OURS = re.compile(r"^\.?rank\d+[.-]")  # every file extract_dataset writes
-
-
-class FeatureStoreError(HookscopeError, ValueError):
-    """``out`` holds another extraction, or is not a hookscope feature store, or is damaged."""
 
 
 def files(rank: int) -> dict[str, str]:

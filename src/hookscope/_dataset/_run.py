@@ -21,8 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import HookscopeError, HookscopeWarning, missing_extra
-from .._extract import _StopForward
+from .._errors import (
+    FeatureStoreError,
+    HookscopeError,
+    HookscopeWarning,
+    StopForward,
+    missing_extra,
+    never_ran_message,
+)
 from .._format import progress_bar
 from .._hooks import HookSet, check_not_compiled, training_mode
 from .._select import Where, select
@@ -34,7 +40,6 @@ from ._format import (
     FORMAT,
     OURS,
     VERSION,
-    FeatureStoreError,
     dtype_name,
     files,
     read_ledger,
@@ -290,7 +295,7 @@ class _Run:
             last = len(found) + 1 == len(names)
             found[name] = to_host(name, output, self.dtype, on_cuda, last, held)
             if len(found) == len(names):
-                raise _StopForward
+                raise StopForward
 
         total = length(self.loader) if self.order is None else len(self.order[1]) - 1
         bar = progress_bar(
@@ -313,7 +318,7 @@ class _Run:
                     args, kwargs = inputs(batch, device)
                     held = state | {t.untyped_storage().data_ptr() for t in tensors(batch)}
                     held |= {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
-                    with torch.no_grad(), contextlib.suppress(_StopForward):
+                    with torch.no_grad(), contextlib.suppress(StopForward):
                         self.model(*args, **kwargs)
                     feats = self._check(found, names, index)
                     rows = feats[0].shape[0]
@@ -350,9 +355,7 @@ class _Run:
     ) -> list[torch.Tensor]:
         missing = [n for n in names if n not in found]
         if missing:
-            from .._capture import _never_ran_message
-
-            raise HookscopeError("extract_dataset: " + _never_ran_message(missing))
+            raise HookscopeError("extract_dataset: " + never_ran_message(missing))
         feats = [found[n] for n in names]
         rows = feats[0].shape[0] if index is None else len(index)
         sites = None if self.manifest is None else self.manifest["sites"]

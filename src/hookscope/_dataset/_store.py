@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .._errors import did_you_mean
-from ._format import FeatureStoreError, dtype_name, files, read_ledger
+from .._errors import FeatureStoreError, did_you_mean
+from ._format import dtype_name, files, read_ledger
 
 __all__ = ["FeatureColumn", "FeatureStore"]
 

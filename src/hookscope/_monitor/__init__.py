@@ -320,7 +320,8 @@ class Monitor:
                     self._params.params,
                     self._hooks,
                     self._write,
-                    paused=lambda: self._tape.paused,
+                    # a replay, or a graph being compiled (the checks' hooks are eager-only)
+                    paused=lambda: self._tape.paused or torch.compiler.is_compiling(),
                     skipping=lambda: self._nonfinite is not None and self.on_nonfinite == "skip",
                     sampler=sampler,
                     rank=self._coll.rank if self._coll is not None else None,
@@ -682,6 +683,8 @@ class Monitor:
 
     def _to_host(self) -> Host:
         """The step's buffer on the host, with what compiled graphs measured in it."""
+        if self.sampled:  # before an update's early transfer too: only the top channels move
+            self._acts.collect(self._buf)
         self._compiled.drain(self._buf)
         host = self._buf.to_host()
         self._compiled.unpack(host, self._trail.flags, self._grads.order)

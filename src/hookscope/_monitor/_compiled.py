@@ -13,10 +13,10 @@ one graph.
   tensors, one row per module, by ``index_add_`` / ``scatter_reduce_``: sums add and extremes
   combine over any number of calls, with no Python container whose length the graph would
   guard on.
-- **Output gradients.** The hook returns its output through :class:`_GradProbe`, an identity
-  (a clone, which Inductor fuses away) whose backward hands the gradient on and gives the
-  gradient's statistics to a small leaf tensor as *its* gradient: tensor hooks, module
-  backward hooks and multi-grad hooks do not trace under ``fullgraph=True``. Each call of a
+- **Output gradients.** The hook returns its output through :func:`_grad_probe`, an identity
+  (a copy) whose backward hands the gradient on and gives the gradient's statistics to a
+  small leaf tensor as *its* gradient: tensor hooks, module backward hooks and multi-grad
+  hooks do not trace under ``fullgraph=True``. Each call of a
   module (up to :data:`SLOTS` per step) has its own row, so that largest magnitudes combine
   as a max; later calls share the last row.
 - **Non-finite values.** The sum of every output and gradient, per module, and the order in
@@ -36,7 +36,9 @@ cannot hold): producer-to-consumer edges, detached outputs and dead ends (a samp
 ``graph`` has no compiled module), an output that aliases an input (here: an output that *is*
 an input, or a dropout that cannot drop), activation-checkpoint recompute detection,
 histograms (``bincount`` has a data-dependent shape), the attention-logit probe (a
-``TorchFunctionMode``), ``precision=``, and per-rank statistics combined across ranks.
+``TorchFunctionMode``), ``precision=``, the checks' forward hooks (``eval`` records,
+``eval_randomness``, ``eval_mismatch``: a compiled evaluation pass is only checked for
+NaN/Inf), and per-rank statistics combined across ranks.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class CompiledProbes:
         def probe(t: torch.Tensor) -> torch.Tensor:
             if not any(t is o for o in outs) or not t.requires_grad:
                 return t
-            return _GradProbe.apply(t, self._probe_row(index), sampled, self.sample)
+            return _grad_probe(t, self._probe_row(index), sampled, self.sample)
 
         return map_tensors(probe, output)
 
@@ -132,7 +134,9 @@ class CompiledProbes:
     def _measure(self, index: torch.Tensor, module: nn.Module, t: torch.Tensor) -> None:
         plan = plan_for(module)
         x = _sample(t, self.sample)
-        lo, hi = torch.aminmax(x.float()) if x.numel() else (x.new_zeros((), dtype=torch.float),) * 2
+        lo, hi = (
+            torch.aminmax(x.float()) if x.numel() else (x.new_zeros((), dtype=torch.float),) * 2
+        )
         extra = torch.tensor([float(t.numel()), 1.0, 0.0], device=self.sums.device)
         self.sums.index_add_(0, index, torch.cat([moments(x, plan.bounds), extra])[None])
         self.lows.scatter_reduce_(0, index[:, None], lo.reshape(1, 1).float(), "amin")
@@ -145,11 +149,13 @@ class CompiledProbes:
         self.highs.scatter_reduce_(0, index[:, None].expand(1, len(_HIGHS)), highs, "amax")
 
     def _probe_row(self, index: torch.Tensor) -> torch.Tensor:
-        """This call's row of the gradient probe (a view with autograd: its gradient lands in
-        ``probe.grad``)."""
+        """This call's row of the gradient probe (with autograd: its gradient lands in
+        ``probe.grad``). The call count is rebound, not changed in place: the backward of a
+        graph that ran before may read the count it was given (a block's graph, when the
+        next block's runs before the backward pass)."""
         with torch.no_grad():
             slot = self.calls.index_select(0, index).clamp(max=SLOTS - 1)
-            self.calls.index_add_(0, index, torch.ones_like(index))
+            self.calls = self.calls.index_add(0, index, torch.ones_like(index))
         return self.probe.index_select(0, index * SLOTS + slot)
 
     # -- at the step's end, eagerly ----------------------------------------------------------
@@ -168,7 +174,7 @@ class CompiledProbes:
         self.highs.fill_(-math.inf)
         self.order.fill_(math.inf)
         self.seq.zero_()
-        self.calls.zero_()
+        self.calls = torch.zeros_like(self.calls)
         self.probe.grad = None
 
     def unpack(self, host: Host, flags: list[Flag], grad_order: list[str]) -> None:
@@ -229,18 +235,32 @@ class CompiledProbes:
                 grad_order.append(name)
 
 
-class _GradProbe(torch.autograd.Function):
-    """The identity (a clone: a view made in a custom Function may not be changed in
-    place later), whose backward also gives the statistics of the gradient to ``row``."""
+@torch.library.custom_op("hookscope::grad_probe", mutates_args=())
+def _grad_probe(x: torch.Tensor, row: torch.Tensor, sampled: bool, k: int | None) -> torch.Tensor:
+    """The identity, as a copy (an op may not return its input), whose backward also gives
+    the statistics of the gradient to ``row``.
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, row: torch.Tensor, sampled: bool, k: int | None) -> Any:
-        ctx.sampled, ctx.k = sampled, k
-        return x.clone()
+    A custom op rather than an ``autograd.Function``: Dynamo instantiates the context of a
+    Function it traces in a way that turns a warnings filter of "error" (a test suite's)
+    into a failed compile.
+    """
+    return x.clone()
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return g, _grad_row(g, ctx.sampled, ctx.k)[None], None, None
+
+@_grad_probe.register_fake
+def _(x: torch.Tensor, row: torch.Tensor, sampled: bool, k: int | None) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _probe_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.sampled, ctx.k = inputs[2], inputs[3]
+
+
+def _probe_backward(ctx: Any, g: torch.Tensor) -> tuple:
+    return g, _grad_row(g, ctx.sampled, ctx.k)[None], None, None
+
+
+_grad_probe.register_autograd(_probe_backward, setup_context=_probe_context)
 
 
 @torch.no_grad()
@@ -257,9 +277,7 @@ def _grad_row(g: torch.Tensor, sampled: bool, k: int | None) -> torch.Tensor:
         x = x.float()
     absmax = x.abs().max() if x.numel() else x.new_zeros(())
     n, numel = float(x.numel()), float(g.numel())
-    return torch.stack(
-        [flag, x.square().sum().float(), one * n, one * numel, absmax.float(), one]
-    )
+    return torch.stack([flag, x.square().sum().float(), one * n, one * numel, absmax.float(), one])
 
 
 def _sample(t: torch.Tensor, k: int | None) -> torch.Tensor:

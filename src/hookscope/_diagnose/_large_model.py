@@ -1,0 +1,103 @@
+"""Large-model signals on sampled steps: massive activations and growing attention logits.
+
+Both precede the divergence of large transformers; both are judged over a span of training
+steps, so one outlying step is no finding.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._finding import Finding
+from ._runs import Run
+from ._thresholds import Thresholds
+
+__all__ = ["LogitGrowth", "MassiveActivations"]
+
+
+class MassiveActivations:
+    """``massive_activations``: a module whose largest output stays ``massive`` times its RMS
+    or more for ``massive_span`` training steps."""
+
+    def __init__(self, thresholds: Thresholds) -> None:
+        self.t = thresholds
+        self._runs: dict[str, Run] = {}  # module -> run of absmax_over_rms above threshold
+
+    def check(self, step: int, act: dict[str, dict[str, float]]) -> list[Finding]:
+        found = []
+        for name, s in act.items():
+            ratio = s.get("absmax_over_rms", math.nan)
+            run = self._runs.setdefault(name, Run())
+            run.see(step, ratio >= self.t.massive)  # NaN: not massive
+            if run.state and run.lasted(self.t.massive_span):
+                found.append(
+                    Finding(
+                        "massive_activations",
+                        name,
+                        step,
+                        ratio,
+                        f"the largest output of {name!r} is {ratio:.0f}x its RMS (kurtosis "
+                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}"
+                        f"{_massive_channels(s, self.t.massive)}: a few "
+                        "channels carry values hundreds of times the rest, a known precursor "
+                        "of divergence and of low-precision overflow in transformers; check "
+                        "the normalisation before it, weight decay, or the learning rate",
+                    )
+                )
+        return found
+
+
+class LogitGrowth:
+    """``attention_logit_growth``: an attention module whose largest logit is at least
+    ``attn_logit`` and grew ``attn_growth``-fold or more over the last ``attn_span`` training
+    steps."""
+
+    def __init__(self, thresholds: Thresholds) -> None:
+        self.t = thresholds
+        self._recent: dict[str, list[tuple[int, float]]] = {}  # module -> recent (step, logit)
+
+    def check(self, step: int, attn: dict[str, dict[str, float]]) -> list[Finding]:
+        found = []
+        for name, s in attn.items():
+            value = s.get("logit_max", math.nan)
+            if not math.isfinite(value):
+                continue
+            recent = [(t, v) for t, v in self._recent.get(name, []) if t >= step - self.t.attn_span]
+            self._recent[name] = [*recent, (step, value)]
+            if not recent or value < self.t.attn_logit:
+                continue
+            low_step, low = min(recent, key=lambda tv: tv[1])
+            if value >= self.t.attn_growth * max(low, 0.0) and value > low:
+                found.append(
+                    Finding(
+                        "attention_logit_growth",
+                        name,
+                        step,
+                        value,
+                        f"the largest pre-softmax attention logit of {name!r} is {value:.3g}, "
+                        f"{value / low if low > 0 else math.inf:.3g}x its {low:.3g} at step "
+                        f"{low_step}: growing logits saturate the softmax to one-hot attention "
+                        "and precede divergence in transformers; normalise the queries and "
+                        "keys (QK-norm), lower the learning rate, or add weight decay",
+                    )
+                )
+        return found
+
+
+def _massive_channels(stats: dict, massive: float) -> str:
+    """``", in channels 7 and 12 (absmax 812, 640)"``: the sampled channels whose largest
+    magnitude is ``massive`` times the output's RMS or more (else the largest one)."""
+    channels = stats.get("channels")
+    ratio, absmax = stats.get("absmax_over_rms", math.nan), stats.get("absmax", math.nan)
+    if not channels or not channels["index"] or not ratio > 0:
+        return ""
+    rms = absmax / ratio
+    pairs = [
+        (i, v)
+        for i, v in zip(channels["index"], channels["absmax"], strict=True)
+        if v >= massive * rms
+    ]
+    pairs = pairs or [(channels["index"][0], channels["absmax"][0])]
+    index = ", ".join(str(i) for i, _ in pairs)
+    values = ", ".join(f"{v:.3g}" for _, v in pairs)
+    return f", in channel{'s' if len(pairs) > 1 else ''} {index} (absmax {values})"

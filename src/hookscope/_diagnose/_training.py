@@ -1,0 +1,116 @@
+"""What the scalars of every training step say, sampled or not.
+
+The learning-rate schedule (a warm-up step is not judged by the update rule), the optimizer
+updates so far, the loss's growth (read by the gradient and update rules), and the one rule
+judged on every step: training diverges when the loss, or the gradient norm before clipping,
+stays far above its lowest value.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._finding import Finding
+from ._runs import Growth, Run
+from ._thresholds import Thresholds
+
+__all__ = ["Training"]
+
+
+class Training:
+    """The scalars of the training steps seen so far, and the divergence rule on them."""
+
+    def __init__(self, thresholds: Thresholds) -> None:
+        self.t = thresholds
+        self.last_step = -1
+        self.updated = 0  # training steps with an optimizer update so far
+        self.warming = False  # a learning rate rose at this step
+        self.loss, self.norm = Growth(), Growth()
+        self._lrs: dict[str, float] = {}
+        self._diverging = Run()
+
+    def see(
+        self, step: int, scalars: dict[str, float], updates: int, suspect: str
+    ) -> list[Finding]:
+        """Findings from the scalars of a training step later than any seen. ``updates``: the
+        optimizer updates applied in it; ``suspect``: the module with the largest gradient for
+        its weight at the last sampled step (``""`` when none)."""
+        self.last_step = step
+        self.updated += updates > 0
+        # A warm-up raises the learning rate by at most about x2 a step (a linear one from
+        # zero doubles it once); a jump of more is a change the ratios must be judged under.
+        rising = [
+            k
+            for k, v in _lrs(scalars).items()
+            if (before := self._lrs.get(k, math.inf)) * 1.000001 < v <= 2.01 * before
+            or before == 0 < v
+        ]
+        self.warming = bool(rising)
+        self._lrs.update(_lrs(scalars))
+        return self._divergence(step, scalars, suspect)
+
+    def loss_rose(self) -> bool:
+        """The loss is at least halfway (in orders of magnitude) to a divergence: gradients
+        small next to weights that blew up (clipped ones, say) are not vanishing."""
+        return (self.loss.growth or 0.0) >= math.sqrt(self.t.explode_growth)
+
+    def adam_transient(self) -> bool:
+        """Within the first ``update_skip`` updates, and the loss not above its first value
+        (or unknown)."""
+        if self.updated > self.t.update_skip:
+            return False
+        first, now = self.loss.first, self.loss.latest
+        return first is None or now is None or now <= first
+
+    def _divergence(self, step: int, scalars: dict[str, float], suspect: str) -> list[Finding]:
+        t = self.t
+        loss, norm = scalars.get("loss"), scalars.get("grad_norm")
+        loss_grew = self.loss.see(loss, t.explode_growth)
+        norm_grew = self.norm.see(norm, t.explode_growth)
+        falling = self.loss.first is not None and loss is not None and loss < self.loss.first
+        grew = max(loss_grew or 0.0, 0.0 if falling else norm_grew or 0.0)
+        if loss_grew is None and (norm_grew is None or falling):
+            return []  # nothing to judge at this step
+        worse = (  # far worse than the untrained model it started as
+            loss_grew is not None
+            and loss >= 10 * self.loss.first
+            and loss_grew >= t.explode_growth / 10
+        )
+        self._diverging.see(step, grew >= t.explode_growth or worse)
+        if not (self._diverging.state and self._diverging.lasted(t.diverge_span)):
+            return []
+        what = []
+        if loss_grew is not None:
+            what.append(
+                f"the loss grew x{loss_grew:.3g} above its lowest value ({self.loss.low:.3g}) "
+                f"to {loss:.3g}"
+            )
+        if norm_grew is not None:
+            what.append(
+                f"the gradient norm before clipping is {norm:.3g} (x{norm_grew:.3g} its lowest, "
+                f"{self.norm.low:.3g})"
+            )
+        return [_diverges(step, self._diverging.since, grew, what, suspect)]
+
+
+def _diverges(step: int, since: int, grew: float, what: list[str], suspect: str) -> Finding:
+    where = (
+        f" The largest gradient for its weight was in {suspect!r} at the last sampled step."
+        if suspect
+        else ""
+    )
+    return Finding(
+        "exploding_gradient",
+        suspect,
+        step,
+        grew,
+        f"{' and '.join(what)}, from step {since} to step {step}: training diverges."
+        f"{where} "
+        "Gradient clipping does not stop it (it caps the gradients the optimizer sees, "
+        "not the loss, and keeps their logged norm at the clip value). Lower the "
+        "learning rate, add a warm-up, or check the loss and the data",
+    )
+
+
+def _lrs(scalars: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in scalars.items() if k == "lr" or k.startswith("lr/")}
