@@ -143,13 +143,6 @@ def test_only_the_integrations_import_a_training_framework() -> None:
     assert "transformers" in _imports(SRC / "integrations/transformers.py")
 
 
-# Private names another module still imports, while the compiled path is reworked.
-PRIVATE_IMPORTS_LEFT = {
-    ("_monitor/_compiled.py", "_stats", "_strided_index"),
-    ("_monitor/_compiled.py", "_monitor/_buffer", "_combine"),
-}
-
-
 def test_no_module_imports_another_modules_private_name() -> None:
     """A name with a leading underscore stays in its module: what two modules share gets a
     public-in-package name in the lower one (``from ._capture import _helper`` is refused;
@@ -171,4 +164,4 @@ def test_no_module_imports_another_modules_private_name() -> None:
                 if private and not is_module:
                     where = str(target.relative_to(SRC)).removesuffix("/__init__")
                     found.add((str(path.relative_to(SRC)), where, alias.name))
-    assert found <= PRIVATE_IMPORTS_LEFT, sorted(found - PRIVATE_IMPORTS_LEFT)
+    assert found == set(), sorted(found)

@@ -334,6 +334,31 @@ def scenario_rank0_only(rank: int, out: dict, tmp: Path) -> None:
         time.sleep(5)
 
 
+def scenario_compiled(rank: int, out: dict, tmp: Path) -> None:
+    """A model compiled (``aot_eager``) after the Monitor was attached, under 2 ranks: the
+    compiled graph's statistics are this rank's own, and the Monitor says so."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = mlp()
+    data = batches(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hs.Monitor(model, every=1, sample=None) as mon:
+            compiled = torch.compile(model, backend="aot_eager")
+            for x, y in data:
+                x, y = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+                with torch.no_grad():  # plain torch, no hook: the first Linear's output
+                    first = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
+                mse(compiled, x, y).backward()
+                mon.step()
+                out.setdefault("compiled_first", []).append(first.abs().max().item())
+    out["compiled"] = {
+        "steps": steps_of(mon),
+        "warnings": [str(w.message) for w in caught if "compiled" in str(w.message)],
+    }
+
+
 def worker(rank: int, tmp: str) -> None:
     tmp = Path(tmp)
     torch.set_num_threads(1)
@@ -341,7 +366,7 @@ def worker(rank: int, tmp: str) -> None:
     out: dict = {}
     try:
         scenarios = (scenario_ddp, scenario_gpt2, scenario_nan, scenario_fsdp, scenario_mismatch)
-        scenarios += (scenario_replicas, scenario_clip_on_one_rank)
+        scenarios += (scenario_replicas, scenario_clip_on_one_rank, scenario_compiled)
         for scenario in (*scenarios, scenario_rank0_only):
             scenario(rank, out, tmp)
     finally:
@@ -518,3 +543,16 @@ def test_a_clip_on_one_rank_only_is_a_clear_error_on_every_rank_not_an_abort(ran
         error = ranks[r]["clip_on_one_rank"]
         assert error is not None and "clip_grad_norm_ ran on 1 of the 2 ranks" in error
         assert "Clip on every rank" in error
+
+
+def test_a_compiled_model_under_ranks_logs_its_own_statistics_and_says_so(ranks):
+    """Not silent: the compiled graph's activation statistics reach the log (this rank's
+    own batch, not combined), with a warning that says so."""
+    for rank, out in enumerate(ranks):
+        steps = out["compiled"]["steps"]
+        assert len(steps) == 2 and all("0" in s["act"] for s in steps), rank
+        assert [s["act"]["0"]["absmax"] for s in steps] == pytest.approx(
+            out["compiled_first"], rel=1e-5
+        )  # this rank's micro-batch, through the step's weights
+        (message,) = out["compiled"]["warnings"]
+        assert "this rank's own (not combined across ranks" in message

@@ -22,6 +22,7 @@ __all__ = [
     "moments",
     "norms",
     "plan_for",
+    "strided_index",
 ]
 
 # Sums of a sample, in this order; they add up over tensors and calls.
@@ -79,7 +80,7 @@ class Sampler:
         key = (n, tuple(t.shape[-2:]), t.device)
         index = self._index.get(key)
         if index is None:
-            index = self._index[key] = _strided_index(n, self.k, t.shape, t.device)
+            index = self._index[key] = strided_index(n, self.k, t.shape, t.device)
         return torch.take(t, index)
 
     def units(self, t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ class Sampler:
         return torch.take(t, index)
 
 
-def _strided_index(n: int, k: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def strided_index(n: int, k: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
     period = math.prod(shape[-2:]) if len(shape) >= 2 else 1
     stride = max(n // k, 1)
     while _gcd(stride, period) != 1:

@@ -277,6 +277,7 @@ class Monitor:
         # This step: did any hook on the model run, did a backward pass run? (A compiled graph
         # from before the hooks runs the model without them.) Warned once.
         self._hooks_ran = self._backward_ran = self._warned_unhooked = False
+        self._warned_compiled = False
         self._loss: torch.Tensor | None = None  # this step's backpropagated loss
         self._clip_norms: list[tuple[torch.Tensor, float]] = []  # clip_grad_norm_'s, pre-clip
         self._scale: torch.Tensor | None = None  # the GradScaler scale of this step's loss
@@ -614,6 +615,8 @@ class Monitor:
         if self._coll is None:
             host = self._to_host()
         else:
+            compiled = self._compiled.ran
+            self._compiled.drain(buf)  # not in the layout: it travels as this rank's own
             host, info = self._coll.exchange(
                 buf,
                 self._layout(sampled, tensor_scalars),
@@ -621,6 +624,9 @@ class Monitor:
                 step,
                 digest(",".join(tensor_scalars)),
             )
+            if compiled:
+                self._compiled.unpack(host, self._trail.flags, self._grads.order)
+                self._warn_compiled_per_rank()
         record = StepRecord(step, time.time(), sampled, self._model.training)
         record.scalars = {k: host[("scalar", k)][0] / self._world for k in tensor_scalars}
         record.scalars.update(plain)
@@ -710,6 +716,22 @@ class Monitor:
         return (
             f"step {step}: GradScaler skipped the step of {names}: its gradients held Inf/NaN"
             f"{at} (weights and optimizer state unchanged; the scaler lowers its scale){cause}"
+        )
+
+    def _warn_compiled_per_rank(self) -> None:
+        """Never silent: what compiled graphs measure is not combined across ranks yet."""
+        if self._warned_compiled:
+            return
+        self._warned_compiled = True
+        warnings.warn(
+            "hookscope: Monitor: the model runs compiled under torch.distributed: the "
+            "activation and output-gradient statistics measured inside the compiled graph are "
+            "this rank's own (not combined across ranks, as eager ones are), and a NaN/Inf "
+            "found there is localised on this rank only (on_nonfinite='raise'/'skip' decide "
+            "per rank). Parameter statistics, the loss and the checks are combined as usual. "
+            "For combined figures, watch an eager twin.",
+            HookscopeWarning,
+            stacklevel=3,
         )
 
     def _warn_if_unhooked(self, step: int) -> None:

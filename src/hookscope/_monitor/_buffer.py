@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Host", "StepBuffer"]
+__all__ = ["Host", "StepBuffer", "combine"]
 
 Reduce = Literal["sum", "min", "max"]
 
@@ -71,7 +71,7 @@ class StepBuffer:
         would combine them."""
         for key, new in host.items():
             old = self._host.get(key)
-            self._host[key] = new if old is None else _combine(self._reduce[key], old, new)
+            self._host[key] = new if old is None else combine(self._reduce[key], old, new)
 
     def to_host(self, only: Callable[[Hashable], bool] | None = None) -> Host:
         """Every value as a list of floats, from one device-to-host transfer.
@@ -85,7 +85,7 @@ class StepBuffer:
             values = [self._values[k] for k in keys]
             for key, new in zip(keys, _to_lists(values), strict=True):
                 old = self._host.get(key)
-                self._host[key] = new if old is None else _combine(self._reduce[key], old, new)
+                self._host[key] = new if old is None else combine(self._reduce[key], old, new)
                 del self._values[key]
         return self._host
 
@@ -122,6 +122,6 @@ def _stack(scalars: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         return torch.stack([v.to(device) for v in scalars])
 
 
-def _combine(reduce: Reduce, old: list[float], new: list[float]) -> list[float]:
+def combine(reduce: Reduce, old: list[float], new: list[float]) -> list[float]:
     pick = {"sum": lambda a, b: a + b, "min": min, "max": max}[reduce]
     return [pick(a, b) for a, b in zip(old, new, strict=True)]

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._stats import MIN_POSITIONS, MOMENTS, _strided_index, dead_fraction, moments, plan_for
+from .._stats import MIN_POSITIONS, MOMENTS, dead_fraction, moments, plan_for, strided_index
 from .._tree import map_tensors, tensors
-from ._buffer import Host, StepBuffer, _combine
+from ._buffer import Host, StepBuffer, combine
 from ._nonfinite import Flag
 
 __all__ = ["SLOTS", "CompiledProbes"]
@@ -286,7 +286,7 @@ def _sample(t: torch.Tensor, k: int | None) -> torch.Tensor:
     n = t.numel()
     if k is None or n <= k:
         return t.reshape(-1)
-    return torch.take(t, _strided_index(n, k, t.shape, t.device))
+    return torch.take(t, strided_index(n, k, t.shape, t.device))
 
 
 def _units(t: torch.Tensor, k: int | None) -> torch.Tensor:
@@ -320,4 +320,4 @@ def _put(host: Host, flags: list[Flag], flag: Flag, value: float) -> None:
 
 def _merge(host: Host, key: tuple, values: list[float], reduce: str = "sum") -> None:
     old = host.get(key)
-    host[key] = values if old is None else _combine(reduce, old, values)  # type: ignore[arg-type]
+    host[key] = values if old is None else combine(reduce, old, values)  # type: ignore[arg-type]

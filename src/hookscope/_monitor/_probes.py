@@ -86,13 +86,16 @@ class Activations:
         """Only the top channels travel: their largest magnitudes and their indices."""
         for name in self.plans:
             amax = buf.take(("act_chan", name))
-            if amax is not None:
+            if amax is not None:  # padded to TOP_CHANNELS (index -1): one size per module
                 values, index = amax.topk(min(TOP_CHANNELS, amax.numel()))
-                buf.set(("act_top", name), torch.cat([values, index.float()]))
+                pad = TOP_CHANNELS - values.numel()
+                values = torch.cat([values, values.new_zeros(pad)])
+                index = torch.cat([index.float(), values.new_full((pad,), -1.0)])
+                buf.set(("act_top", name), torch.cat([values, index]))
 
     def layout(self, rank: int) -> list[Entry]:
-        """Keys and combining rules, for a collective across ranks (histograms: rank 0's;
-        top channels: each rank's own, not combined)."""
+        """Keys and combining rules, for a collective across ranks (histograms and top
+        channels: rank 0's)."""
         entries = []
         for name in self.plans:
             entries += [
@@ -102,6 +105,7 @@ class Activations:
                 Entry(("act_numel", name), 1, "sum"),
                 Entry(("act_dead", name), 1, "max"),
             ]
+            entries.append(Entry(("act_top", name), 2 * TOP_CHANNELS, _rank0(rank)))
             if self.bins:
                 entries.append(Entry(("act_hist", name), self.bins + 2, _rank0(rank)))
         return entries
@@ -136,8 +140,12 @@ class Activations:
                 stats["hist"] = {"lo": hist[0], "hi": hist[1], "counts": hist[2:]}
             top = host.get(("act_top", name))
             if top is not None:
-                k = len(top) // 2
-                stats["channels"] = {"index": [int(i) for i in top[k:]], "absmax": top[:k]}
+                kept = [
+                    (int(i), v)
+                    for v, i in zip(top[:TOP_CHANNELS], top[TOP_CHANNELS:], strict=True)
+                    if i >= 0
+                ]
+                stats["channels"] = {"index": [i for i, _ in kept], "absmax": [v for _, v in kept]}
             record.act[name] = stats
 
 
