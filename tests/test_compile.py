@@ -470,6 +470,29 @@ def test_an_overflow_in_a_compiled_model_is_named_to_its_module_and_op(every: in
     assert compiled.op == "aten.convolution"
 
 
+def test_an_nn_sequential_compiled_whole_is_taped_through_its_wrapper() -> None:
+    """A ``torch.nn`` container compiled whole runs its own hooks inside the graph: the
+    Monitor tapes the ``torch.compile`` wrapper instead, so a NaN found at an unsampled step
+    still gets its op and line from the eager replay, and unsampled steps flag the edges."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hs.Monitor(model, every=10) as mon:
+        call = torch.compile(model, backend=BACKEND, fullgraph=True)
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model[2].weight.fill_(1e38)
+            call(torch.randn(8, 4)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    finding = next(f for f in mon.findings if f.kind == "nonfinite")
+    assert (finding.module, finding.step, finding.op) == ("2", 2, "aten.addmm")
+    assert finding.source.startswith(f"{__file__}:")
+    assert dict(counters["graph_break"]) == {}
+
+
 def test_an_evaluation_pass_through_the_compiled_model_adds_no_graph_break() -> None:
     torch.manual_seed(0)
     model = CNN()

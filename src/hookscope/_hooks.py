@@ -17,6 +17,7 @@ and the user's and other libraries' hooks travel as they always did.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import sys
 import warnings
@@ -34,6 +35,7 @@ from ._errors import CompiledModelError, HookscopeWarning
 __all__ = [
     "HookSet",
     "check_not_compiled",
+    "compiled_wrappers",
     "eager_calls",
     "eager_model",
     "eager_only",
@@ -361,6 +363,21 @@ def uncompiled(model: nn.Module) -> nn.Module:
     while _is_optimized_module(model):
         model = unwrap_parallel(model._orig_mod)
     return model
+
+
+def compiled_wrappers(model: nn.Module) -> list[nn.Module]:
+    """The ``torch.compile`` wrappers (``OptimizedModule``) of ``model`` alive now.
+
+    Hooks of a ``torch.nn`` container compiled whole (``torch.compile(nn.Sequential(...))``)
+    are traced into its graph, so no hook of its own runs eagerly; its wrapper's hooks do.
+    One walk over the objects the garbage collector tracks (a fraction of a second, once)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is None:
+        return []
+    # type(), not isinstance(): a dead weak proxy among the objects raises on any other look.
+    found = (o for o in gc.get_objects() if issubclass(type(o), optimized))
+    return [o for o in found if o._orig_mod is model]
 
 
 def eager_calls() -> contextlib.AbstractContextManager[None]:

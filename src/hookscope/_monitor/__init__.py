@@ -28,7 +28,7 @@ from torch.linalg import vector_norm
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds, mark_cleared
 from .._errors import HookscopeError, HookscopeWarning, NonFiniteError, did_you_mean
-from .._hooks import HookSet, eager_calls, eager_model, in_backward_recompute
+from .._hooks import HookSet, compiled_wrappers, eager_calls, eager_model, in_backward_recompute
 from .._log import LOG_NAME, Cleared, Event, Header, StepRecord
 from .._select import Where, select
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
@@ -278,6 +278,7 @@ class Monitor:
         # from before the hooks runs the model without them.) Warned once.
         self._hooks_ran = self._backward_ran = self._warned_unhooked = False
         self._warned_compiled = False
+        self._wrapper_taped = False
         self._loss: torch.Tensor | None = None  # this step's backpropagated loss
         self._clip_norms: list[tuple[torch.Tensor, float]] = []  # clip_grad_norm_'s, pre-clip
         self._scale: torch.Tensor | None = None  # the GradScaler scale of this step's loss
@@ -615,6 +616,7 @@ class Monitor:
         if self._coll is None:
             host = self._to_host()
         else:
+            self._tape_compiled_root()
             compiled = self._compiled.ran
             self._compiled.drain(buf)  # not in the layout: it travels as this rank's own
             host, info = self._coll.exchange(
@@ -689,6 +691,7 @@ class Monitor:
 
     def _to_host(self) -> Host:
         """The step's buffer on the host, with what compiled graphs measured in it."""
+        self._tape_compiled_root()
         if self.sampled:  # before an update's early transfer too: only the top channels move
             self._acts.collect(self._buf)
         self._compiled.drain(self._buf)
@@ -717,6 +720,17 @@ class Monitor:
             f"step {step}: GradScaler skipped the step of {names}: its gradients held Inf/NaN"
             f"{at} (weights and optimizer state unchanged; the scaler lowers its scale){cause}"
         )
+
+    def _tape_compiled_root(self) -> None:
+        """A compiled graph ran and the tape kept no call: the root's hooks were traced into
+        the graph (a ``torch.nn`` container compiled whole). Tape its ``torch.compile``
+        wrapper instead, once: from the next step the step can be replayed (a NaN's op and
+        line) and unsampled steps flag only the model's edges (one recompile)."""
+        if self._wrapper_taped or not self._compiled.ran or self._tape.calls:
+            return
+        self._wrapper_taped = True
+        for wrapper in compiled_wrappers(self._model):
+            self._tape.tape_wrapper(wrapper)
 
     def _warn_compiled_per_rank(self) -> None:
         """Never silent: what compiled graphs measure is not combined across ranks yet."""

@@ -101,10 +101,21 @@ class Tape:
         self._depth = 0
         # The model may run compiled: the hooks of the module torch.compile wraps run
         # eagerly, before its graph, and tape it; traced into a graph, they do nothing.
-        before, after = eager_only(self._before), eager_only(self._after)
+        self._hooks = hooks
+        self._eager = eager_only(self._before), eager_only(self._after)
         for name, module in top_modules(root):
-            hooks.forward_pre(module, functools.partial(before, name), prepend=True)
-            hooks.forward(module, functools.partial(after, name), always_call=True)
+            self._tape(name, module)
+
+    def _tape(self, name: str, module: nn.Module) -> None:
+        before, after = self._eager
+        self._hooks.forward_pre(module, functools.partial(before, name), prepend=True)
+        self._hooks.forward(module, functools.partial(after, name), always_call=True)
+
+    def tape_wrapper(self, wrapper: nn.Module) -> None:
+        """Also tape the calls of ``wrapper``, the ``torch.compile`` wrapper of the root, whose
+        hooks run eagerly where the root's own were traced into the graph (a ``torch.nn``
+        container compiled whole). Both taping one call: the outer one keeps it."""
+        self._tape("", wrapper)
 
     def _before(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # a compiled graph is replayed eagerly, not taped
