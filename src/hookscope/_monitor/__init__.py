@@ -17,17 +17,16 @@ import json
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.linalg import vector_norm
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds, mark_cleared
-from .._errors import HookscopeError, HookscopeWarning, NonFiniteError, did_you_mean
+from .._errors import HookscopeWarning, NonFiniteError
 from .._hooks import HookSet, compiled_wrappers, eager_calls, eager_model, in_backward_recompute
 from .._log import LOG_NAME, Cleared, Event, Header, StepRecord
 from .._select import Where, select
@@ -41,8 +40,19 @@ from ._calls import listen
 from ._checks import Checks, Context
 from ._compiled import CompiledProbes
 from ._dist import FOUND_SCALARS, Collective, Entry, RankInfo, digest
+from ._heard import Ears, Heard
 from ._nonfinite import PASS_THROUGH, NonFiniteTrail
 from ._optim import OptimizerWatch
+from ._options import (
+    batch_list,
+    check_batch_indices,
+    check_options,
+    device_of,
+    is_leaf,
+    scalar_number,
+    scalar_tensor,
+    thresholds_from,
+)
 from ._poisoned import PoisonedWeights
 from ._precision import Precision
 from ._probes import Activations, BatchNorms, OutputGrads, Params
@@ -185,19 +195,8 @@ class Monitor:
         skip_list: str | Path | None = None,
         **threshold_overrides: float,
     ) -> None:
-        if every is not None and (not isinstance(every, int) or every < 1):
-            raise ValueError(
-                f"every must be a positive number of steps, or None for the non-finite check "
-                f"only; got {every!r}"
-            )
-        if on_nonfinite not in ("log", "raise", "skip"):
-            raise ValueError(f"on_nonfinite must be 'log', 'raise' or 'skip', got {on_nonfinite!r}")
-        if log_dir is not None and Path(log_dir).exists() and not Path(log_dir).is_dir():
-            raise HookscopeError(
-                f"log_dir={str(log_dir)!r} is a file, not a directory.\nFix: pass a directory "
-                "for the run's log (it is created when missing), e.g. log_dir='runs/exp1'."
-            )
-        self.thresholds = _thresholds(thresholds, threshold_overrides)
+        check_options(every, on_nonfinite, log_dir)
+        self.thresholds = thresholds_from(thresholds, threshold_overrides, monitor_options)
         sampler = Sampler(sample)
         # DDP, torch.compile: name modules as the model they wrap (no "module.", "_orig_mod.");
         # a model compiled already is traced again, with a warning.
@@ -207,7 +206,7 @@ class Monitor:
         self._coll = Collective() if distributed and sync is not False else None
         self._world = self._coll.world if self._coll is not None else 1  # combined ranks
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
-        self.modules: dict[str, nn.Module] = select(model, where if where is not None else _is_leaf)
+        self.modules: dict[str, nn.Module] = select(model, where if where is not None else is_leaf)
         self._pass_through = {n for n, m in self.modules.items() if isinstance(m, PASS_THROUGH)}
         self.findings: list[Finding] = []
         self.step_count = 0
@@ -228,7 +227,7 @@ class Monitor:
             sample,
             dead_at=self.thresholds.dead_unit,
             dead_min=(self.thresholds.dead_min_units, self.thresholds.dead_min_samples),
-            device=_device(model),
+            device=device_of(model),
         )
         self._precision = Precision(precision, sampler, self.modules) if precision else None
         self._params = Params(model, sampler)
@@ -272,19 +271,14 @@ class Monitor:
         self._recorded: set[str] = set()
         self._memory = MemorySink()
         self._sinks: list[Sink] = [self._memory, *sinks]
-        self._running: list[tuple[torch.Tensor, torch.Tensor]] = []  # BN stats, for "skip"
         self._grad_calls = 0  # output gradients seen: did a backward pass reach the model?
         # This step: did any hook on the model run, did a backward pass run? (A compiled graph
         # from before the hooks runs the model without them.) Warned once.
         self._hooks_ran = self._backward_ran = self._warned_unhooked = False
         self._warned_compiled = False
         self._wrapper_taped = False
-        self._loss: torch.Tensor | None = None  # this step's backpropagated loss
-        self._clip_norms: list[tuple[torch.Tensor, float]] = []  # clip_grad_norm_'s, pre-clip
-        self._scale: torch.Tensor | None = None  # the GradScaler scale of this step's loss
-        self._scaler_skips: list[torch.optim.Optimizer] = []  # steps GradScaler skipped
-        self._scaler_cause: Finding | None = None  # the overflow it skipped for, if located
-        self._listener = _Calls(self)
+        self._heard = Heard()  # this step's loss, loss scale, clips (``_heard.py``)
+        self._listener = Ears(self)
         self._stop_listening = lambda: None
         self._checks: Checks | None = None
         self._hooks = HookSet("Monitor")
@@ -293,7 +287,7 @@ class Monitor:
                 self._hooks,
                 model,
                 keep_outputs=record_dir is not None,
-                on_first_call=self._save_running_stats if on_nonfinite == "skip" else None,
+                on_first_call=self._bns.save_running if on_nonfinite == "skip" else None,
                 on_top_call=self._on_root,
             )
             for name, module in self.modules.items():
@@ -546,7 +540,7 @@ class Monitor:
                     raise self._error(self._nonfinite)
         if self._nonfinite is None or self.on_nonfinite != "skip":
             return False
-        self._restore_running_stats()
+        self._bns.restore_running()
         self._write_event(
             "skipped_step",
             f"step {self.step_count}: skipped the update of {type(optimizer).__name__} "
@@ -554,21 +548,6 @@ class Monitor:
         )
         self._skipped += 1
         return True
-
-    def _save_running_stats(self) -> None:
-        """Skipping a step also undoes what its forward did to BatchNorm running statistics
-        (a NaN there would poison every evaluation after)."""
-        self._running = [
-            (b, b.detach().clone())
-            for bn in self._bns.modules.values()
-            for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
-            if b is not None
-        ]
-
-    def _restore_running_stats(self) -> None:
-        with torch.no_grad():
-            for b, saved in self._running:
-                b.copy_(saved)
 
     def _before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
         self._updates += 1
@@ -597,15 +576,15 @@ class Monitor:
 
         Returns the findings first seen at this step.
         """
-        _check_indices(batch_indices)
+        check_batch_indices(batch_indices)
         step, sampled, buf = self.step_count, self.sampled, self._buf
-        scalars = {**self._found_scalars(), **scalars}
+        scalars = {**self._heard.scalars(), **scalars}
         plain: dict[str, float] = {}
         for key, value in scalars.items():
             if isinstance(value, torch.Tensor):
-                buf.set(("scalar", key), _scalar_tensor(key, value))
+                buf.set(("scalar", key), scalar_tensor(key, value))
             else:
-                plain[key] = _scalar_number(key, value)
+                plain[key] = scalar_number(key, value)
         if sampled:
             self._acts.collect(buf)
             self._params.collect(buf)
@@ -645,8 +624,9 @@ class Monitor:
                 self._nonfinite = self._localised(host, step)
             else:
                 self._nonfinite = self._agreed(host, info)
-            if self._nonfinite is not None and self._scaler_overflow(self._nonfinite, record):
-                self._scaler_cause, self._nonfinite = self._nonfinite, None
+            scale = record.scalars.get("grad_scale")
+            if self._nonfinite is not None and self._heard.scalers_overflow(self._nonfinite, scale):
+                self._heard.scaler_cause, self._nonfinite = self._nonfinite, None
             if self._nonfinite is not None:
                 found += self._with_overflow(self._nonfinite)
         poisoned = None
@@ -667,7 +647,7 @@ class Monitor:
             self._write(asdict(spike.window))
             found.append(spike.finding)
             if self._skip is not None:
-                self._skip.add(step, spike.finding.value, _indices(batch_indices))
+                self._skip.add(step, spike.finding.value, batch_list(batch_indices))
         found += self._checks.read(host, record)  # after the step: its eval record follows
         new = self._report(found, before_update=self._updates == 0)
         for done in self._diagnosis.cleared():
@@ -675,8 +655,9 @@ class Monitor:
             self._write(asdict(Cleared.of(done)))
         if poisoned is not None:  # its own finding, also where its cause named the same module
             new += self._report([poisoned], before_update=False, always=True)
-        if self._scaler_skips:
-            self._write_event("skipped_step", self._scaler_skip_message(step, record.scalars))
+        if self._heard.scaler_skips:
+            scale = record.scalars.get("grad_scale")
+            self._write_event("skipped_step", self._heard.skip_message(step, scale))
         elif self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:
             self._write_event(
                 "skipped_step",
@@ -698,28 +679,6 @@ class Monitor:
         host = self._buf.to_host()
         self._compiled.unpack(host, self._trail.flags, self._grads.order)
         return host
-
-    def _scaler_overflow(self, nonfinite: Finding, record: StepRecord) -> bool:
-        """A gradient that overflowed under a loss scale above 1, in a step GradScaler then
-        skipped: the scaler's own business (it lowers the scale and goes on), an event and no
-        finding. A NaN of the forward pass, or one at a scale of 1 or less, stays a finding."""
-        scale = record.scalars.get("grad_scale")
-        return (
-            bool(self._scaler_skips)
-            and nonfinite.phase == "backward"
-            and scale is not None
-            and scale > 1
-        )
-
-    def _scaler_skip_message(self, step: int, scalars: dict[str, float]) -> str:
-        names = ", ".join(dict.fromkeys(type(o).__name__ for o in self._scaler_skips))
-        scale = scalars.get("grad_scale")
-        at = "" if scale is None else f" at loss scale {scale:g}"
-        cause = "" if self._scaler_cause is None else f". First: {self._scaler_cause.message}"
-        return (
-            f"step {step}: GradScaler skipped the step of {names}: its gradients held Inf/NaN"
-            f"{at} (weights and optimizer state unchanged; the scaler lowers its scale){cause}"
-        )
 
     def _tape_compiled_root(self) -> None:
         """A compiled graph ran and the tape kept no call: the root's hooks were traced into
@@ -770,21 +729,6 @@ class Monitor:
             HookscopeWarning,
             stacklevel=3,
         )
-
-    def _found_scalars(self) -> dict[str, torch.Tensor]:
-        """The step's loss (the sum of the scalars its backward passes started from), the
-        scale a GradScaler multiplied it by (``grad_scale``) and, when it was clipped, the
-        gradient norm ``clip_grad_norm_`` measured before clipping."""
-        found = {}
-        if self._loss is not None:
-            found["loss"] = self._loss
-        if self._scale is not None:
-            found["grad_scale"] = self._scale
-        if self._clip_norms:
-            norms = [n.float().reshape(()) for n, _ in self._clip_norms]
-            p = self._clip_norms[0][1]  # several clips (one per model part): their norm
-            found["grad_norm"] = norms[0] if len(norms) == 1 else vector_norm(torch.stack(norms), p)
-        return found
 
     def _layout(self, sampled: bool, scalars: list[str]) -> list[Entry]:
         """What the step's collective carries, in an order every rank derives alike."""
@@ -966,8 +910,7 @@ class Monitor:
         self._updates = self._skipped = 0
         self._nonfinite = None
         self._early = []
-        self._loss, self._clip_norms = None, []
-        self._scale, self._scaler_skips, self._scaler_cause = None, [], None
+        self._heard = Heard()
         self._hooks_ran = self._backward_ran = False
         self.step_count += 1
         self._sampled_now = self.sampled
@@ -1019,20 +962,6 @@ class Monitor:
         return monitor_html(self)
 
 
-def _thresholds(base: Thresholds | None, overrides: dict[str, float]) -> Thresholds:
-    """``base`` with single fields overridden; a misspelt keyword gets a did-you-mean."""
-    names = [f.name for f in fields(Thresholds)]
-    for key in overrides:
-        if key not in names:
-            options = monitor_options()
-            raise TypeError(
-                f"Monitor() got an unexpected keyword argument {key!r}"
-                f"{did_you_mean(key, [*options, *names])}. Monitor options: {', '.join(options)}; "
-                f"threshold fields (see hs.Thresholds): {', '.join(names)}."
-            )
-    return Thresholds(**{**asdict(base or Thresholds()), **overrides})
-
-
 def monitor_options() -> list[str]:
     """The options ``hs.Monitor`` takes besides the model and threshold fields, read from its
     signature (one list for the did-you-mean here and the trainer callbacks' checks)."""
@@ -1041,104 +970,3 @@ def monitor_options() -> list[str]:
         for name, p in inspect.signature(Monitor).parameters.items()
         if name != "model" and p.kind is not p.VAR_KEYWORD
     ]
-
-
-def _is_leaf(name: str, module: nn.Module) -> bool:
-    """A module without children (the model itself, when it has none: ``nn.Linear``)."""
-    return next(iter(module.children()), None) is None
-
-
-def _device(model: nn.Module) -> torch.device:
-    """Where the model's first parameter or buffer lives (the CPU when it has none)."""
-    first = next(model.parameters(), None)
-    first = first if first is not None else next(model.buffers(), None)
-    return first.device if first is not None else torch.device("cpu")
-
-
-def _scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
-    if value.numel() != 1:
-        raise ValueError(
-            f"step({key}=...): a scalar must be a number or a one-element tensor, got a tensor "
-            f"of shape {tuple(value.shape)}. Fix: reduce it first, e.g. {key}={key}.mean()."
-        )
-    return value.detach().float().reshape(1)
-
-
-def _scalar_number(key: str, value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"step({key}=...): a scalar must be a number or a one-element tensor, got "
-            f"{type(value).__name__} {value!r:.60}. Fix: pass the value itself, e.g. "
-            f"mon.step({key}=loss) with loss a tensor or a float."
-        ) from None
-
-
-class _Calls:
-    """The Monitor's ears on the calls a training script makes into torch (``_calls.py``):
-    the loss each backward pass started from, and the gradients before they are clipped."""
-
-    def __init__(self, monitor: Monitor) -> None:
-        self.monitor = monitor
-
-    def before_backward(self) -> tuple[int, bool]:
-        m = self.monitor
-        # No gradient on any parameter: a new accumulation starts (zero_grad ran), and the
-        # losses backpropagated before it (a GAN's other phase) are not this step's.
-        fresh = all(p.grad is None for p in m._params.params.values())
-        if not m._tape.paused:
-            m._backward_ran = True
-        if m._checks is not None and not m._tape.paused:
-            m._checks.before_backward()
-        return m._grad_calls, fresh
-
-    def after_backward(self, token: tuple[int, bool], loss: torch.Tensor | None) -> None:
-        m = self.monitor
-        calls, fresh = token
-        if loss is None or m._grad_calls == calls or m._tape.paused:
-            return  # it did not reach the model, or it is a replay of ours
-        m._loss = loss if fresh or m._loss is None else m._loss + loss.to(m._loss.device)
-
-    def loss_scaled(self, token: tuple[int, bool], scale: torch.Tensor) -> None:
-        """The loss was multiplied by a GradScaler's ``scale``: logged as ``grad_scale``
-        when that backward pass reached the model."""
-        m = self.monitor
-        if m._grad_calls != token[0] and not m._tape.paused:
-            m._scale = scale
-
-    def scaler_skipped(self, optimizer: torch.optim.Optimizer) -> None:
-        """GradScaler skipped ``optimizer.step()`` (Inf/NaN gradients): the step's one
-        ``skipped_step`` event says so, with the scale."""
-        if self._concerns([p for g in optimizer.param_groups for p in g["params"]]):
-            self.monitor._scaler_skips.append(optimizer)
-
-    def before_clip(self, params: list[torch.Tensor]) -> None:
-        if self._concerns(params):
-            self.monitor.read_gradients()
-
-    def clipped(self, params: list[torch.Tensor], total_norm: torch.Tensor, p: float) -> None:
-        if self._concerns(params):
-            self.monitor._clip_norms.append((total_norm.detach(), p))
-
-    def _concerns(self, params: list[torch.Tensor]) -> bool:
-        owned = self.monitor._params._name
-        return any(id(p) in owned for p in params)
-
-
-def _check_indices(batch: Any) -> None:
-    if batch is not None and not isinstance(batch, torch.Tensor) and not hasattr(batch, "__iter__"):
-        raise TypeError(
-            f"batch_indices must be a sequence or tensor of ints (the data-set indices of the "
-            f"step's batch), got {type(batch).__name__}"
-        )
-
-
-def _indices(batch: Any) -> list[int] | None:
-    """``batch_indices`` as a list of ints, read only at a spike (a tensor's ``tolist()``
-    waits for the device)."""
-    if batch is None:
-        return None
-    if isinstance(batch, torch.Tensor):
-        return [int(i) for i in batch.reshape(-1).tolist()]
-    return [int(i) for i in batch]

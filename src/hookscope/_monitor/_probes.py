@@ -316,6 +316,23 @@ class BatchNorms:
             n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
         }
         self._prev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def save_running(self) -> None:
+        """Before the step's first forward, for ``on_nonfinite="skip"``: skipping a step also
+        undoes what its forward did to the running statistics (a NaN there would poison every
+        evaluation after)."""
+        self._saved = [
+            (b, b.detach().clone())
+            for bn in self.modules.values()
+            for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+            if b is not None
+        ]
+
+    def restore_running(self) -> None:
+        with torch.no_grad():
+            for b, saved in self._saved:
+                b.copy_(saved)
 
     def collect(self, buf: StepBuffer) -> None:
         for name, bn in self.modules.items():

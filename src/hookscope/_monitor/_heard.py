@@ -1,0 +1,121 @@
+"""What a Monitor hears of a step from the script's own calls into torch (``_calls.py``).
+
+:class:`Heard` is the step's account: the loss each backward pass started from (summed over
+an accumulated step), the scale a GradScaler multiplied it by, the total norms
+``clip_grad_norm_`` measured before clipping, and the optimizer steps GradScaler skipped.
+:class:`Ears` is the Monitor's listener that fills it in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.linalg import vector_norm
+
+from .._diagnose import Finding
+
+if TYPE_CHECKING:
+    from . import Monitor
+
+__all__ = ["Ears", "Heard"]
+
+
+class Heard:
+    """One step's loss, loss scale, pre-clip gradient norms and GradScaler skips."""
+
+    def __init__(self) -> None:
+        self.loss: torch.Tensor | None = None  # the backpropagated loss, unscaled
+        self.scale: torch.Tensor | None = None  # the GradScaler scale of that loss
+        self.clip_norms: list[tuple[torch.Tensor, float]] = []  # (total norm, p), pre-clip
+        self.scaler_skips: list[torch.optim.Optimizer] = []  # steps GradScaler skipped
+        self.scaler_cause: Finding | None = None  # the overflow it skipped for, if located
+
+    def scalars(self) -> dict[str, torch.Tensor]:
+        """``loss``, ``grad_scale`` and, when the step clipped, ``grad_norm`` (the norm of
+        the clips' norms when several clipped, one per model part)."""
+        found = {}
+        if self.loss is not None:
+            found["loss"] = self.loss
+        if self.scale is not None:
+            found["grad_scale"] = self.scale
+        if self.clip_norms:
+            norms = [n.float().reshape(()) for n, _ in self.clip_norms]
+            p = self.clip_norms[0][1]
+            found["grad_norm"] = norms[0] if len(norms) == 1 else vector_norm(torch.stack(norms), p)
+        return found
+
+    def scalers_overflow(self, nonfinite: Finding, scale: float | None) -> bool:
+        """A gradient that overflowed under a loss scale above 1, in a step GradScaler then
+        skipped: the scaler's own business (it lowers the scale and goes on), an event and
+        no finding. A NaN of the forward pass, or one at a scale of 1 or less, stays a
+        finding."""
+        return (
+            bool(self.scaler_skips)
+            and nonfinite.phase == "backward"
+            and scale is not None
+            and scale > 1
+        )
+
+    def skip_message(self, step: int, scale: float | None) -> str:
+        names = ", ".join(dict.fromkeys(type(o).__name__ for o in self.scaler_skips))
+        at = "" if scale is None else f" at loss scale {scale:g}"
+        cause = "" if self.scaler_cause is None else f". First: {self.scaler_cause.message}"
+        return (
+            f"step {step}: GradScaler skipped the step of {names}: its gradients held Inf/NaN"
+            f"{at} (weights and optimizer state unchanged; the scaler lowers its scale){cause}"
+        )
+
+
+class Ears:
+    """The Monitor's listener on the script's calls into torch (``_calls.Listener``): the
+    loss each backward pass started from, and the gradients before they are clipped."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+
+    def before_backward(self) -> tuple[int, bool]:
+        m = self.monitor
+        # No gradient on any parameter: a new accumulation starts (zero_grad ran), and the
+        # losses backpropagated before it (a GAN's other phase) are not this step's.
+        fresh = all(p.grad is None for p in m._params.params.values())
+        if not m._tape.paused:
+            m._backward_ran = True
+        if m._checks is not None and not m._tape.paused:
+            m._checks.before_backward()
+        return m._grad_calls, fresh
+
+    def after_backward(self, token: tuple[int, bool], loss: torch.Tensor | None) -> None:
+        m = self.monitor
+        calls, fresh = token
+        if loss is None or m._grad_calls == calls or m._tape.paused:
+            return  # it did not reach the model, or it is a replay of ours
+        heard = m._heard
+        heard.loss = (
+            loss if fresh or heard.loss is None else heard.loss + loss.to(heard.loss.device)
+        )
+
+    def loss_scaled(self, token: tuple[int, bool], scale: torch.Tensor) -> None:
+        """The loss was multiplied by a GradScaler's ``scale``: logged as ``grad_scale``
+        when that backward pass reached the model."""
+        m = self.monitor
+        if m._grad_calls != token[0] and not m._tape.paused:
+            m._heard.scale = scale
+
+    def scaler_skipped(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler skipped ``optimizer.step()`` (Inf/NaN gradients): the step's one
+        ``skipped_step`` event says so, with the scale."""
+        if self._concerns([p for g in optimizer.param_groups for p in g["params"]]):
+            self.monitor._heard.scaler_skips.append(optimizer)
+
+    def before_clip(self, params: list[torch.Tensor]) -> None:
+        if self._concerns(params):
+            self.monitor.read_gradients()
+
+    def clipped(self, params: list[torch.Tensor], total_norm: torch.Tensor, p: float) -> None:
+        if self._concerns(params):
+            self.monitor._heard.clip_norms.append((total_norm.detach(), p))
+
+    def _concerns(self, params: list[torch.Tensor]) -> bool:
+        owned = self.monitor._params._name
+        return any(id(p) in owned for p in params)

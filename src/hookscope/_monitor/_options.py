@@ -1,0 +1,108 @@
+"""What a Monitor is given: its options checked, threshold overrides, the scalars and batch
+indices a step is given; each mistake an error that names the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._diagnose import Thresholds
+from .._errors import HookscopeError, did_you_mean
+
+__all__ = [
+    "batch_list",
+    "check_batch_indices",
+    "check_options",
+    "device_of",
+    "is_leaf",
+    "scalar_number",
+    "scalar_tensor",
+    "thresholds_from",
+]
+
+
+def check_options(every: int | None, on_nonfinite: str, log_dir: str | Path | None) -> None:
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise ValueError(
+            f"every must be a positive number of steps, or None for the non-finite check "
+            f"only; got {every!r}"
+        )
+    if on_nonfinite not in ("log", "raise", "skip"):
+        raise ValueError(f"on_nonfinite must be 'log', 'raise' or 'skip', got {on_nonfinite!r}")
+    if log_dir is not None and Path(log_dir).exists() and not Path(log_dir).is_dir():
+        raise HookscopeError(
+            f"log_dir={str(log_dir)!r} is a file, not a directory.\nFix: pass a directory "
+            "for the run's log (it is created when missing), e.g. log_dir='runs/exp1'."
+        )
+
+
+def thresholds_from(
+    base: Thresholds | None, overrides: dict[str, float], options: Callable[[], list[str]]
+) -> Thresholds:
+    """``base`` with single fields overridden; a misspelt keyword gets a did-you-mean among
+    the threshold fields and the Monitor's ``options()``."""
+    names = [f.name for f in fields(Thresholds)]
+    for key in overrides:
+        if key not in names:
+            known = options()
+            raise TypeError(
+                f"Monitor() got an unexpected keyword argument {key!r}"
+                f"{did_you_mean(key, [*known, *names])}. Monitor options: {', '.join(known)}; "
+                f"threshold fields (see hs.Thresholds): {', '.join(names)}."
+            )
+    return Thresholds(**{**asdict(base or Thresholds()), **overrides})
+
+
+def is_leaf(name: str, module: nn.Module) -> bool:
+    """A module without children (the model itself, when it has none: ``nn.Linear``)."""
+    return next(iter(module.children()), None) is None
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's first parameter or buffer lives (the CPU when it has none)."""
+    first = next(model.parameters(), None)
+    first = first if first is not None else next(model.buffers(), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
+    if value.numel() != 1:
+        raise ValueError(
+            f"step({key}=...): a scalar must be a number or a one-element tensor, got a tensor "
+            f"of shape {tuple(value.shape)}. Fix: reduce it first, e.g. {key}={key}.mean()."
+        )
+    return value.detach().float().reshape(1)
+
+
+def scalar_number(key: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step({key}=...): a scalar must be a number or a one-element tensor, got "
+            f"{type(value).__name__} {value!r:.60}. Fix: pass the value itself, e.g. "
+            f"mon.step({key}=loss) with loss a tensor or a float."
+        ) from None
+
+
+def check_batch_indices(batch: Any) -> None:
+    if batch is not None and not isinstance(batch, torch.Tensor) and not hasattr(batch, "__iter__"):
+        raise TypeError(
+            f"batch_indices must be a sequence or tensor of ints (the data-set indices of the "
+            f"step's batch), got {type(batch).__name__}"
+        )
+
+
+def batch_list(batch: Any) -> list[int] | None:
+    """``batch_indices`` as a list of ints, read only at a spike (a tensor's ``tolist()``
+    waits for the device)."""
+    if batch is None:
+        return None
+    if isinstance(batch, torch.Tensor):
+        return [int(i) for i in batch.reshape(-1).tolist()]
+    return [int(i) for i in batch]
