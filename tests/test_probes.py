@@ -71,3 +71,30 @@ def test_every_probe_equals_plain_torch_on_a_cnn_with_in_place_relus() -> None:
             bn = record["bn"][name]
             assert bn["running_mean"] == pytest.approx(module.running_mean.mean().item(), abs=1e-6)
             assert bn["running_var"] == pytest.approx(module.running_var.mean().item(), rel=1e-5)
+
+
+def test_gradient_accumulation_reads_the_summed_gradient_once_per_step() -> None:
+    model = nn.Sequential(nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = torch.randn(4, 16, 8)
+    with hs.Monitor(model, every=1, optimizer=opt) as mon:
+        for micro in xs:
+            model(micro).pow(2).mean().backward()
+        expected = model[0].weight.grad.norm().item()
+        opt.step()
+        mon.step()
+    step = mon.records[1]
+    assert step["param"]["0.weight"]["grad_norm"] == pytest.approx(expected, rel=1e-6)
+    assert step["act"]["0"]["numel"] == 4 * 16 * 4  # four micro-batches, one record
+
+
+def test_update_ratio_is_the_real_adam_update() -> None:
+    model = nn.Sequential(nn.Linear(8, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with hs.Monitor(model, every=1, optimizer=opt) as mon:
+        model(torch.randn(16, 8)).sum().backward()
+        before = model[0].weight.detach().clone()
+        opt.step()
+        mon.step()
+    ratio = ((model[0].weight - before).norm() / before.norm()).item()
+    assert mon.records[1]["param"]["0.weight"]["update_ratio"] == pytest.approx(ratio, rel=1e-5)

@@ -8,6 +8,7 @@ record's value at that step.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -87,3 +88,30 @@ def test_tensorboard_reads_back_every_scalar_the_monitor_measured(tmp_path: Path
         for step, value in by_step.items():  # TensorBoard stores float32
             want = pytest.approx(value, rel=1e-6, abs=1e-30, nan_ok=True)
             assert written[step] == want, (tag, step)
+
+
+def test_jsonl_log_survives_a_torn_line_and_round_trips_nan(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    with hs.Monitor(model, every=1, log_dir=tmp_path) as mon:
+        model(torch.randn(3, 8)).sum().backward()
+        mon.step(loss=float("nan"), note=torch.tensor(2.0))
+    with open(tmp_path / "hookscope.jsonl", "a") as f:
+        f.write('{"type": "step", "ste')  # a crash in the middle of a write
+    records = hs.read_log(tmp_path)
+    assert [r["type"] for r in records] == ["header", "step"]
+    assert (
+        records[1]["scalars"]["note"] == 2.0
+        and records[1]["scalars"]["loss"] != records[1]["scalars"]["loss"]
+    )
+    json.loads((tmp_path / "hookscope.jsonl").read_text().splitlines()[1])  # strict JSON
+
+
+def test_histograms_and_tensorboard_events(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    with hs.Monitor(model, every=1, log_dir=tmp_path, histograms=True, bins=8) as mon:
+        model(torch.randn(32, 8)).sum().backward()
+        mon.step(loss=1.0)
+    hist = mon.records[1]["act"]["0"]["hist"]
+    assert len(hist["counts"]) == 8 and sum(hist["counts"]) == 32 * 32
+    assert hist["lo"] < hist["hi"]
+    assert list(tmp_path.glob("events.out.tfevents.*"))
