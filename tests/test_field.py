@@ -200,6 +200,10 @@ def test_a_healthy_script_runs_the_same_watched_and_gets_no_finding(
     _same_run(bare, watched)
     findings = _findings(out, watched)
     assert findings == [], f"false alarms on a healthy run:\n{_brief(findings)}"
+    for log_dir in sorted({p.parent for p in out.glob("**/hookscope.jsonl")}):
+        sampled = [r for r in hs.read_log(log_dir) if r["type"] == "step" and r["sampled"]]
+        # Watched, not just logged: activations on sampled steps, compiled scripts included.
+        assert any(r["act"] for r in sampled), f"no activation statistics in {log_dir}"
 
 
 @pytest.mark.slow

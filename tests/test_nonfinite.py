@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -461,3 +462,40 @@ def test_repaired_weights_are_watched_again() -> None:
             opt.step()
             found += [(f.module, f.step, f.phase) for f in mon.step()]
     assert found == [("", 1, "forward"), ("conv1", 1, "update"), ("conv1", 4, "update")]
+
+
+def test_a_finite_float16_model_whose_sums_pass_65504_is_not_a_nan() -> None:
+    """Every value finite and below float16's largest (65504), but their sums and the
+    gradients' L1 norms far above it: the checks accumulate in float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    x = torch.ones(32, 64, dtype=torch.float16)
+    with hs.Monitor(model, every=None) as mon:
+        with torch.no_grad():  # plain torch: the first Linear's output
+            hidden = nn.functional.linear(x, model[0].weight, model[0].bias)
+        assert torch.isfinite(hidden).all() and torch.isinf(hidden.sum())  # fp16's own sum
+        (model(x).float().sum() * 4).backward()
+        assert model[0].weight.grad.float().abs().sum() > 65504  # its fp16 L1 norm is inf
+        opt.step()
+        mon.step()
+    assert [f for f in mon.findings if f.kind == "nonfinite"] == []
+
+
+def test_a_backward_nan_seen_only_on_parameters_is_blamed_on_the_last_one_it_reached() -> None:
+    """Only parameter gradients flagged (the edges were finite): a NaN made in the backward
+    reaches every parameter before its origin, so the last bad one is nearest to it."""
+    from hookscope._monitor._buffer import StepBuffer
+    from hookscope._monitor._nonfinite import NonFiniteTrail
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        p.grad = torch.full_like(p, math.nan if name[0] in "01" else 1.0)
+    trail, buf = NonFiniteTrail(), StepBuffer()
+    trail.parameters(buf, params, list(params))
+    finding = trail.localise(buf.to_host(), step=3)
+    assert (finding.module, finding.phase) == ("1", "backward")
+    assert "'1.bias'" in finding.message

@@ -18,6 +18,7 @@ __all__ = [
     "Plan",
     "Sampler",
     "dead_fraction",
+    "flag_sum",
     "histogram",
     "moments",
     "norms",
@@ -72,6 +73,7 @@ class Sampler:
         self.k = k
         self._index: dict[tuple, torch.Tensor] = {}
         self._units: dict[tuple, torch.Tensor] = {}
+        self._channels: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel()
@@ -101,6 +103,24 @@ class Sampler:
             index = start[:, None] + torch.arange(c, device=t.device)[None, :] * inner
             self._units[key] = index
         return torch.take(t, index)
+
+    def channel_amax(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Each channel's largest magnitude over ``x``, ``self(t)``: the sample already read
+        (the channel: the last dim of a 3-D ``(batch, sequence, hidden)`` output, else dim 1;
+        the strided sample meets every channel, coprime as its stride is). Float32."""
+        unit_dim = t.dim() - 1 if t.dim() == 3 else 1
+        c = t.shape[unit_dim]
+        if x.numel() == t.numel():  # the whole tensor: reduce it directly
+            dims = [d for d in range(t.dim()) if d != unit_dim]
+            return t.detach().abs().amax(dim=dims).float()
+        key = (tuple(t.shape), t.device)
+        ids = self._channels.get(key)
+        if ids is None:
+            index = strided_index(t.numel(), self.k or t.numel(), t.shape, t.device)
+            inner = math.prod(t.shape[unit_dim + 1 :])
+            ids = self._channels[key] = (index // inner) % c
+        out = torch.zeros(c, device=x.device)
+        return out.scatter_reduce_(0, ids, x.abs().float(), "amax")
 
 
 def strided_index(n: int, k: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -169,6 +189,16 @@ def histogram(t: torch.Tensor, bins: int) -> torch.Tensor:
     return torch.cat([lo.reshape(1), hi.reshape(1), counts])
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def flag_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t``, non-finite exactly when an element is: accumulated in float32 for
+    16-bit floats (a finite float16 tensor easily sums past 65504, its largest value)."""
+    t = t.detach()
+    return t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+
+
 def norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
     """``ord``-norms of many tensors (float32), one fused kernel per device and dtype."""
     if not tensors:
@@ -178,7 +208,10 @@ def norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     for indices in groups.values():
-        values = torch._foreach_norm([tensors[i].detach() for i in indices], ord)
+        half = tensors[indices[0]].dtype in _HALF  # accumulate 16-bit floats in float32
+        values = torch._foreach_norm(
+            [tensors[i].detach() for i in indices], ord, dtype=torch.float32 if half else None
+        )
         for i, norm in zip(indices, values, strict=True):
             out[i] = norm.float()
     return out  # type: ignore[return-value]

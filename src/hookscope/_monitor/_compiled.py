@@ -49,7 +49,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._stats import MIN_POSITIONS, MOMENTS, dead_fraction, moments, plan_for, strided_index
+from .._stats import (
+    MIN_POSITIONS,
+    MOMENTS,
+    dead_fraction,
+    flag_sum,
+    moments,
+    plan_for,
+    strided_index,
+)
 from .._tree import map_tensors, tensors
 from ._buffer import Host, StepBuffer, combine
 from ._nonfinite import Flag
@@ -124,7 +132,7 @@ class CompiledProbes:
         return map_tensors(probe, output)
 
     def _flag(self, index: torch.Tensor, outs: list[torch.Tensor]) -> None:
-        total = sum(t.detach().sum().float() for t in outs)
+        total = sum(flag_sum(t).float() for t in outs)
         row = torch.zeros(1, len(_SUMS), device=self.sums.device)
         row[0, -1] = total
         self.sums.index_add_(0, index, row)
@@ -267,7 +275,7 @@ _grad_probe.register_autograd(_probe_backward, setup_context=_probe_context)
 def _grad_row(g: torch.Tensor, sampled: bool, k: int | None) -> torch.Tensor:
     """The ``_GRAD`` columns for one gradient: its sum (the non-finite check) and, on a
     sampled step, what :class:`OutputGrads` computes from the same sample."""
-    flag = g.detach().sum().float()
+    flag = flag_sum(g).float()
     one = flag.new_ones(())
     if not sampled:
         zero = flag.new_zeros(())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .._diagnose import Finding
-from .._stats import norms
+from .._stats import flag_sum, norms
 from ._buffer import Host, StepBuffer
 from ._dist import local
 
@@ -102,7 +102,7 @@ class NonFiniteTrail:
             known = self._known(t)
             if known is None and t.is_floating_point():
                 index = self._add(
-                    buf, Flag("input", name), _nan_flag(t) if nan_inputs else t.detach().sum()
+                    buf, Flag("input", name), _nan_flag(t) if nan_inputs else flag_sum(t)
                 )
                 known = self._made_by[id(t)] = (index, t._version, weakref.ref(t))
                 maker = self._storage.get(t.data_ptr()) if not t.requires_grad else None
@@ -119,7 +119,7 @@ class NonFiniteTrail:
             return []
         total = buf.value(("flag", fed[0])) if pass_through and len(fed) == 1 else None
         if total is None:
-            sums = [t.detach().sum() for t in new]
+            sums = [flag_sum(t) for t in new]
             total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
         index = self._add(buf, Flag("forward", name, tuple(fed)), total)
         for t in new:
@@ -135,7 +135,7 @@ class NonFiniteTrail:
     def backward(
         self, buf: StepBuffer, name: str, grad: torch.Tensor, *, edge: bool = False
     ) -> None:
-        self._add(buf, Flag("backward", name, edge=edge), grad.detach().sum())
+        self._add(buf, Flag("backward", name, edge=edge), flag_sum(grad))
 
     def parameters(self, buf: StepBuffer, params: dict, names: list[str]) -> None:
         """Flag the gradients an optimizer is about to apply (one fused kernel): a NaN/Inf
@@ -206,7 +206,10 @@ class NonFiniteTrail:
         # Only the model's own outputs had their gradient flagged (an unsampled step): the
         # value arose somewhere inside the model's backward pass.
         edges_only = all(self.flags[i].edge for i in backward)
-        for i, flag in enumerate(self.flags):
+        # A NaN made in the backward reaches every parameter before its origin (in forward
+        # order): the origin is the last parameter whose gradient is bad.
+        for i in reversed(range(len(self.flags))):
+            flag = self.flags[i]
             if bad[i] and flag.phase == "param":
                 where = (
                     "while the gradient reaching the model's outputs was finite: it arose in "

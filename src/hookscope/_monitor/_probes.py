@@ -59,25 +59,20 @@ class Activations:
             buf.add(("act_min", name), lo, "min")
             buf.add(("act_max", name), hi, "max")
             buf.add(("act_numel", name), torch.tensor(float(t.numel())))
-            if t.dim() >= 2 and t.is_floating_point():
+            if t.dim() >= 2 and t.is_floating_point() and x.numel():
+                self._channels(buf, name, self.sampler.channel_amax(t, x))
+            if plan.dead and t.dim() >= 2:
                 units = self.sampler.units(t.detach())
-                self._channels(buf, name, units)
-                if (
-                    plan.dead
-                    and units.shape[1] >= self.min_units
-                    and units.shape[0] >= self.min_samples
-                ):
+                if units.shape[1] >= self.min_units and units.shape[0] >= self.min_samples:
                     buf.add(("act_dead", name), dead_fraction(units, self.dead_at), "max")
         if self.bins and first is not None:
             buf.set(("act_hist", name), histogram(first, self.bins))
 
     @staticmethod
-    def _channels(buf: StepBuffer, name: str, units: torch.Tensor) -> None:
-        """Each channel's largest magnitude over the sampled positions (the channel dim:
-        the last of a ``(batch, sequence, hidden)`` output, else dim 1), the max over calls."""
-        if units.shape[1] < 2 or units.shape[0] == 0:
+    def _channels(buf: StepBuffer, name: str, amax: torch.Tensor) -> None:
+        """Each channel's largest magnitude over the sample, the max over calls."""
+        if amax.numel() < 2:
             return
-        amax = units.abs().amax(0).float()
         old = buf.value(("act_chan", name))
         if old is None or old.shape == amax.shape:
             buf.add(("act_chan", name), amax, "max")

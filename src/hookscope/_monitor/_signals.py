@@ -37,6 +37,7 @@ import torch
 
 from .._diagnose import Finding, Thresholds
 from .._log import Window
+from .._stats import norms
 from ._buffer import Host, StepBuffer
 from ._dist import local
 
@@ -122,7 +123,7 @@ class WeightNorms:
         with torch.no_grad():
             for k, (_, tensors) in enumerate(self._kinds):
                 samples = [local(p).detach().reshape(-1)[::stride] for p, stride in tensors]
-                buf.set(("weights", k), torch.stack(torch._foreach_norm(samples, 1)).float())
+                buf.set(("weights", k), torch.stack(norms(samples, 1)))
 
     def read(self, host: Host) -> dict[str, float]:
         self._measured = False
