@@ -195,3 +195,25 @@ def test_a_healthy_run_stays_silent() -> None:
     findings, logits = _run(scale=1.0)
     assert all(0 < v < 50 for v in logits)
     assert not [f for f in findings if f.kind == "attention_logit_growth"]
+
+
+class FailingAttention(nn.Module):
+    """A hand-written attention whose forward raises after its softmax."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (x @ x.transpose(-1, -2)).unsqueeze(1).softmax(-1)
+        raise RuntimeError("boom")
+
+
+def test_torch_own_functions_are_back_after_each_forward_even_one_that_raised() -> None:
+    originals = (F.scaled_dot_product_attention, torch.softmax, torch.Tensor.softmax)
+    model = _gpt2("sdpa")
+    with hs.Monitor(model, every=1) as mon:
+        model(token_ids()).logits.sum().backward()
+        assert (F.scaled_dot_product_attention, torch.softmax, torch.Tensor.softmax) == originals
+        mon.step(loss=1.0)
+    assert "softmax" not in vars(torch.Tensor)  # inherited from torch._C.TensorBase, as before
+    failing = nn.Sequential(FailingAttention())
+    with hs.Monitor(failing, every=1), pytest.raises(RuntimeError, match="boom"):
+        failing(torch.randn(2, 3, 4, requires_grad=True))
+    assert (F.scaled_dot_product_attention, torch.softmax, torch.Tensor.softmax) == originals

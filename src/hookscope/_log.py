@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,9 @@ class StepRecord:
     type: str = "step"
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        """The record as a dict that shares its values (each step builds them afresh;
+        ``asdict``'s deep copy of every statistic cost ~4 % of a GPT-2 step at every=1)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         if not self.sampled:
             for group in ("act", "grad", "param", "bn", "precision", "attn", "grad_order"):
                 del out[group]

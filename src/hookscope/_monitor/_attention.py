@@ -3,24 +3,28 @@
 Attention logits that grow step after step (no QK normalisation, a high learning rate) are a
 known precursor of divergence in transformers; the logits themselves are never a module's
 output, so the usual hooks do not see them. Here a forward pre-hook on each attention module
-pushes a :class:`torch.overrides.TorchFunctionMode` for the duration of its forward, and the
-mode sees the two calls that attention implementations make:
+puts measuring wrappers in place of ``F.scaled_dot_product_attention``, ``torch.softmax``
+and ``Tensor.softmax`` for the duration of its forward (:class:`_Wrapped`; the forward hook
+puts torch's own back, also when the forward raises), and they see the two calls that
+attention implementations make. (A ``TorchFunctionMode`` sees them too, but every op and
+attribute of the forward then passes through Python: 4 % of a GPT-2 step at every=1.)
 
 - eager attention: ``softmax`` of a 4-D ``(batch, heads, queries, keys)`` tensor, whose
   largest finite entry is the logit (masked entries are very negative or ``-inf``: a finite
   mask value never wins the max, a non-finite one is left out);
 - SDPA: ``F.scaled_dot_product_attention(q, k, v, ...)``, whose logits are
-  ``q @ k^T * scale`` (``scale`` defaults to ``1/sqrt(d)``), recomputed for at most ``sample``
-  query rows and masked as SDPA masks them (``attn_mask``, ``is_causal``).
+  ``q @ k^T * scale`` (``scale`` defaults to ``1/sqrt(d)``), recomputed for query rows spread
+  over the sequence, at most ``sample`` logits in all (a full recomputation would cost as much
+  as the attention), and masked as SDPA masks them (``attn_mask``, ``is_causal``).
 
 Attention modules are those whose class name ends in ``Attention`` (``GPT2Attention``,
 ``BertSelfAttention``, a hand-written ``CausalSelfAttention``). Nested ones (BERT's
-``BertAttention`` around ``BertSelfAttention``) get one mode, pushed at the outermost, and
-a logit is credited to the innermost module running. ``nn.MultiheadAttention`` (torch's
+``BertAttention`` around ``BertSelfAttention``) are wrapped once, at the outermost, and a
+logit is credited to the innermost module running. ``nn.MultiheadAttention`` (torch's
 ``TransformerEncoderLayer``, ViTs built on it) computes its logits inside
-``F.multi_head_attention_forward``, whose own torch-function dispatch hides its inner calls
-from a mode: its pre-hook recomputes them instead, from the module's input projections, for
-at most ``sample`` query rows, masked as the module masks them (``attn_mask``,
+``F.multi_head_attention_forward``, whose ``need_weights=True`` path gives softmax 3-D
+scores of merged heads: its pre-hook recomputes them instead, from the module's input projections, for
+query rows such that at most ``sample`` logits are computed, masked as the module masks them (``attn_mask``,
 ``key_padding_mask``: ``True`` or ``-inf`` is left out). The value is a device scalar,
 moved to the host with the step's one transfer.
 """
@@ -34,7 +38,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from .._hooks import HookSet
 from .._log import StepRecord
@@ -42,8 +45,6 @@ from ._buffer import Host, StepBuffer
 from ._dist import Entry
 
 __all__ = ["Attention", "attention_modules"]
-
-_SOFTMAX = (torch.softmax, F.softmax, torch.Tensor.softmax)
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -71,7 +72,7 @@ class Attention:
         self.modules = list(attention_modules(model))
         self.sample, self._active, self._buffer = sample, active, buffer
         self._running: list[str] = []  # the attention modules in their forward, outermost first
-        self._mode: _LogitMode | None = None
+        self._wrapped: _Wrapped | None = None
         for name, module in attention_modules(model).items():
             if isinstance(module, nn.MultiheadAttention):
                 hooks.forward_pre(module, lambda m, a, k, name=name: self._multihead(name, m, a, k))
@@ -89,17 +90,16 @@ class Attention:
         if not self._running and not self._active(module):
             return
         self._running.append(name)
-        if self._mode is None:
-            self._mode = _LogitMode(self)
-            self._mode.__enter__()
+        if self._wrapped is None:
+            self._wrapped = _Wrapped(self)
 
     def _exit(self, name: str) -> None:
         if not self._running or self._running[-1] != name:
             return  # its pre-hook measured nothing
         self._running.pop()
-        if not self._running and self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+        if not self._running and self._wrapped is not None:
+            wrapped, self._wrapped = self._wrapped, None
+            wrapped.restore()
 
     def _add(self, logit: torch.Tensor) -> None:
         if self._running:
@@ -116,25 +116,50 @@ class Attention:
                 record.attn[name] = {"logit_max": value[0]}
 
 
-class _LogitMode(TorchFunctionMode):
-    """Sees the softmax and SDPA calls of an attention module's forward (the mode is off
-    while its own handler runs, so the measuring ops are not seen again)."""
+class _Wrapped:
+    """Measuring wrappers in place of torch's SDPA and softmax functions while an attention
+    module runs; :meth:`restore` puts torch's own back. The measuring ops call neither."""
 
     def __init__(self, probe: Attention) -> None:
-        super().__init__()
-        self.probe = probe
+        self.saved: list[tuple[Any, str, Any, bool]] = []
+        sdpa, softmax = F.scaled_dot_product_attention, torch.softmax
+        tensor_softmax = torch.Tensor.softmax
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and len(args) >= 2:
-            with torch.no_grad():
-                self.probe._add(_sdpa_logit_max(*args[:2], self.probe.sample, args[3:], kwargs))
-        elif func in _SOFTMAX and args and _is_scores(args[0]):
-            with torch.no_grad():
-                self.probe._add(_finite_max(args[0].detach()))
-        return func(*args, **kwargs)
+        def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+            if len(args) >= 2:
+                with torch.no_grad():
+                    probe._add(_sdpa_logit_max(*args[:2], probe.sample, args[3:], kwargs))
+            return sdpa(*args, **kwargs)
+
+        def torch_softmax(x: Any, *args: Any, **kwargs: Any) -> Any:
+            _scores(probe, x)
+            return softmax(x, *args, **kwargs)
+
+        def method_softmax(x: Any, *args: Any, **kwargs: Any) -> Any:
+            _scores(probe, x)  # F.softmax calls it too
+            return tensor_softmax(x, *args, **kwargs)
+
+        self._put(F, "scaled_dot_product_attention", scaled_dot_product_attention)
+        self._put(torch, "softmax", torch_softmax)
+        self._put(torch.Tensor, "softmax", method_softmax)
+
+    def _put(self, owner: Any, name: str, fn: Any) -> None:
+        self.saved.append((owner, name, getattr(owner, name), name in vars(owner)))
+        setattr(owner, name, fn)
+
+    def restore(self) -> None:
+        for owner, name, original, own in reversed(self.saved):
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited (Tensor.softmax comes from torch._C.TensorBase)
+                delattr(owner, name)
+        self.saved = []
+
+
+def _scores(probe: Attention, x: Any) -> None:
+    if _is_scores(x):
+        with torch.no_grad():
+            probe._add(_finite_max(x.detach()))
 
 
 def _is_scores(x: Any) -> bool:
@@ -149,15 +174,16 @@ def _finite_max(x: torch.Tensor) -> torch.Tensor:
 def _sdpa_logit_max(
     q: torch.Tensor, k: torch.Tensor, sample: int | None, rest: tuple, kwargs: dict
 ) -> torch.Tensor:
-    """The largest logit SDPA would compute, from at most ``sample`` query rows spread over
-    the sequence (the last one included: under a causal mask it sees every key)."""
+    """The largest logit SDPA would compute, from query rows spread over the sequence (at
+    most ``sample`` logits over every head; the last row included: under a causal mask it
+    sees every key)."""
     names = ("attn_mask", "dropout_p", "is_causal", "scale")
     given = {**dict(zip(names, rest, strict=False)), **kwargs}
     mask, causal, scale = given.get("attn_mask"), given.get("is_causal", False), given.get("scale")
     q, k = q.detach(), k.detach()
     length, keys = q.shape[-2], k.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    rows = _rows(length, q.numel() // max(length * q.shape[-1], 1), sample, q.device)
+    rows = _rows(length, q.numel() // max(length * q.shape[-1], 1), keys, sample, q.device)
     q = q.index_select(-2, rows)
     if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # grouped-query attention
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
@@ -183,7 +209,7 @@ def _multihead_logit_max(
     m: nn.MultiheadAttention, args: tuple, kwargs: dict, sample: int | None
 ) -> torch.Tensor:
     """The largest logit ``nn.MultiheadAttention`` will compute for this call, from its input
-    projections, for at most ``sample`` query rows."""
+    projections, for query rows such that at most ``sample`` logits are computed."""
     given = {**dict(zip(_MHA_ARGS, args, strict=False)), **kwargs}
     q, k = given["query"].detach(), given["key"].detach()
     if q.dim() == 2:  # unbatched (L, E)
@@ -198,7 +224,7 @@ def _multihead_logit_max(
         wq, wk = m.q_proj_weight, m.k_proj_weight
     bias = m.in_proj_bias
     bq, bk = (None, None) if bias is None else (bias[:e], bias[e : 2 * e])
-    rows = _rows(length, batch * heads, sample, q.device)
+    rows = _rows(length, batch * heads, k.shape[0] + (m.bias_k is not None), sample, q.device)
     qs = F.linear(q.index_select(0, rows), wq, bq)  # (r, N, E)
     ks = F.linear(k, wk, bk)  # (S, N, E)
     if m.bias_k is not None:  # add_bias_kv: one more key
@@ -229,7 +255,10 @@ def _masked(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return logits + mask.float()
 
 
-def _rows(length: int, heads: int, sample: int | None, device: torch.device) -> torch.Tensor:
-    """Query positions such that all heads' rows number at most ``sample`` (one at least)."""
-    n = length if sample is None else max(1, min(length, sample // max(heads, 1)))
+def _rows(
+    length: int, heads: int, keys: int, sample: int | None, device: torch.device
+) -> torch.Tensor:
+    """Query positions such that all heads' logits number at most ``sample`` (one row at
+    least: the last, which a causal mask lets see every key)."""
+    n = length if sample is None else max(1, min(length, sample // max(heads * keys, 1)))
     return torch.linspace(length - 1, 0, n, device=device).round().long().flip(0).unique()
