@@ -52,9 +52,7 @@ from __future__ import annotations
 
 import atexit
 import functools
-import gc
 import os
-import select
 import signal
 import sys
 import threading
@@ -69,15 +67,16 @@ import torch.distributed as dist
 from torch import nn
 
 from .._errors import NonFiniteError
-from .._hooks import HookSet, uncompiled
+from .._hooks import HookSet
 from .._monitor import Monitor
 from .._monitor._calls import listen, loss_of
 from .._monitor._optim import unwrap
+from ._closer import Closer, die
+from ._find import owns, scan, trained_by_hand
 from ._settings import Settings
 
 __all__ = ["Agent"]
 
-_CONTAINERS = (nn.ModuleDict, nn.ModuleList)  # no forward of their own: look inside
 _CLOSE_WITHIN = 5.0  # seconds a process ended by a signal waits for its logs to close
 
 
@@ -123,7 +122,7 @@ class Agent:
         self._pid = os.getpid()
         self._exit_handlers = False
         self._previous_sigterm: Any = None
-        self._closer: _Closer | None = None
+        self._closer: Closer | None = None
         self._signalled = False
         self._off = False
         self._stop_listening: Callable[[], None] | None = None
@@ -144,7 +143,7 @@ class Agent:
             return
         self._seen.add(opt)
         try:
-            models, _ = _scan(opt)
+            models, _ = scan(opt)
             for model in models:
                 if all(w.model is not model for w in self.watched):
                     self._watch(model)
@@ -200,18 +199,18 @@ class Agent:
             if opt in w.checked:
                 continue
             w.checked.add(opt)
-            if not _owns(opt, w.params):
+            if not owns(opt, w.params):
                 continue
             w.manual = False
             if len(w.optimizers):
                 w.optimizers.add(opt)
             else:
-                w.optimizers = weakref.WeakSet(o for o in self._optimizers if _owns(o, w.params))
+                w.optimizers = weakref.WeakSet(o for o in self._optimizers if owns(o, w.params))
                 w.optimizers.add(opt)
 
     def _discover(self, opt: torch.optim.Optimizer) -> None:
         """An optimizer created before the start-up hook could see it, at its first step."""
-        models, optimizers = _scan(opt)
+        models, optimizers = scan(opt)
         new = []
         for model in models:
             if all(w.model is not model for w in self.watched):
@@ -264,7 +263,7 @@ class Agent:
         monitor = w.monitor
         for o in [opt, *pending.optimizers]:  # the round: every optimizer that steps this model
             w.checked.add(o)
-            if _owns(o, w.params):
+            if owns(o, w.params):
                 w.optimizers.add(o)
         # The Monitor came too late for this step's forward and backward. With one optimizer,
         # step 0 is logged now: gradient and weight norms before this update (whose end is
@@ -328,7 +327,7 @@ class Agent:
         if self._off or os.getpid() != self._pid:
             return
         try:
-            for model in _trained_by_hand():
+            for model in trained_by_hand():
                 if any(w.model is model for w in self.watched):
                     continue
                 w = self._watch(model)
@@ -393,7 +392,7 @@ class Agent:
         self._exit_handlers = True
         atexit.register(self.close)
         if threading.current_thread() is threading.main_thread():
-            self._closer = _Closer(functools.partial(self.close, finish=False))
+            self._closer = Closer(functools.partial(self.close, finish=False))
             self._previous_sigterm = signal.getsignal(signal.SIGTERM)
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -403,7 +402,7 @@ class Agent:
 
         It takes no lock: the signal may have interrupted a sink holding its own (TensorBoard's
         ``add_scalar``), which this thread would then wait for for ever. The logs are closed by
-        :class:`_Closer`'s thread, waited for at most ``_CLOSE_WITHIN`` seconds; a second
+        :class:`Closer`'s thread, waited for at most ``_CLOSE_WITHIN`` seconds; a second
         signal ends the process at once."""
         previous = self._previous_sigterm
         if callable(previous):
@@ -414,7 +413,7 @@ class Agent:
         if not self._signalled and self._closer is not None and os.getpid() == self._pid:
             self._signalled = True
             self._closer.close_within(_CLOSE_WITHIN)
-        _die(signum)
+        die(signum)
 
     def close(self, *, finish: bool = True) -> None:
         """Close every Monitor (at exit); ``finish`` first ends a round of optimizer steps
@@ -440,32 +439,6 @@ class Agent:
         sys.stderr.write(f"hookscope watch: {what}: {type(exc).__name__}: {_whole(exc)}\n")
 
 
-class _Closer:
-    """A thread that closes the logs when a signal came, so that the signal handler can wait
-    for it without taking a lock: it wakes the thread with ``os.write`` and waits with
-    ``select``, both plain system calls. Started before any signal, from the main thread."""
-
-    def __init__(self, close: Callable[[], None]) -> None:
-        self._close = close
-        self._wake_r, self._wake_w = os.pipe()
-        self._done_r, self._done_w = os.pipe()
-        threading.Thread(target=self._run, name="hookscope watch: close", daemon=True).start()
-
-    def _run(self) -> None:
-        os.read(self._wake_r, 1)
-        try:
-            self._close()
-        except BaseException:  # nothing to tell: the process is ending
-            pass
-        finally:
-            os.write(self._done_w, b"x")
-
-    def close_within(self, seconds: float) -> None:
-        """Close the logs; give up after ``seconds`` (a sink stuck on a lock)."""
-        os.write(self._wake_w, b"x")
-        select.select([self._done_r], [], [], seconds)
-
-
 def _first_loss(w: _Watched) -> dict[str, torch.Tensor]:
     """Step 0 of a model trained by hand began before its Monitor: the loss of the backward
     that found it, handed to ``step()`` once (later ones the Monitor finds itself)."""
@@ -473,86 +446,6 @@ def _first_loss(w: _Watched) -> dict[str, torch.Tensor]:
     return {} if loss is None else {"loss": loss}
 
 
-def _die(signum: int) -> None:
-    """End this process by ``signum``, as if nothing had caught it (status -N, 128 + N)."""
-    signal.signal(signum, signal.SIG_DFL)
-    signal.raise_signal(signum)  # delivered to this thread before it returns, unless blocked
-    os._exit(128 + signum)
-
-
 def _whole(exc: BaseException) -> str:
     """An error's whole message (its "Fix:" too), further lines indented under the first."""
     return (str(exc) or type(exc).__name__).replace("\n", "\n    ")
-
-
-def _owns(opt: torch.optim.Optimizer, params: set[int]) -> bool:
-    return any(id(p) in params for group in opt.param_groups for p in group["params"])
-
-
-def _scan(opt: torch.optim.Optimizer) -> tuple[list[nn.Module], list[Any]]:
-    """The models owning ``opt``'s parameters (top-level modules; wrappers and containers
-    looked through), and every optimizer."""
-    stepped = {id(p) for group in opt.param_groups for p in group["params"]}
-    modules, optimizers = _objects()
-    return _models(modules, stepped), optimizers
-
-
-def _trained_by_hand() -> list[nn.Module]:
-    """The models whose parameters hold gradients and that no optimizer owns, not even in
-    part (one made before the start-up hook is found at its first step)."""
-    modules, optimizers = _objects()
-    owned = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
-    grads = {
-        id(p)
-        for m in modules
-        for p in vars(m).get("_parameters", {}).values()
-        if p is not None and p.grad is not None and id(p) not in owned
-    }
-    return [m for m in _models(modules, grads) if not _params(m) & owned]
-
-
-def _objects() -> tuple[list[nn.Module], list[Any]]:
-    """Every module and every optimizer of the process (one scan of the collector's)."""
-    modules, optimizers = [], []
-    for obj in gc.get_objects():
-        kind = type(obj)  # never isinstance(): torch's deprecated proxies warn on __class__
-        if issubclass(kind, nn.Module):
-            modules.append(obj)
-        elif issubclass(kind, torch.optim.Optimizer):
-            optimizers.append(obj)
-    return modules, optimizers
-
-
-def _models(modules: list[nn.Module], params: set[int]) -> list[nn.Module]:
-    """The top-level models holding any of ``params``."""
-    children = {id(c) for m in modules for c in _children(m)}
-    tops = [m for m in modules if id(m) not in children]
-    models: list[nn.Module] = []
-    for top in tops:
-        for model in _models_in(top, params):
-            if all(model is not m for m in models):
-                models.append(model)
-    return models
-
-
-def _children(module: nn.Module) -> list[nn.Module]:
-    found = vars(module).get("_modules")  # missing in a module whose __init__ is still running
-    return [c for c in found.values() if c is not None] if isinstance(found, dict) else []
-
-
-def _params(module: nn.Module) -> set[int]:
-    try:
-        return {id(p) for p in module.parameters()}
-    except AttributeError:  # not initialised yet
-        return set()
-
-
-def _models_in(module: nn.Module, stepped: set[int]) -> list[nn.Module]:
-    if not _params(module) & stepped:
-        return []
-    inner = uncompiled(module)  # DDP, torch.compile's wrapper: the model inside
-    if inner is not module:
-        return _models_in(inner, stepped)
-    if issubclass(type(module), _CONTAINERS):
-        return [m for child in _children(module) for m in _models_in(child, stepped)]
-    return [module]
