@@ -214,25 +214,7 @@ class Monitor:
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
         self._buf = StepBuffer()
         self._trail = NonFiniteTrail()
-        self._acts = Activations(
-            self.modules,
-            sampler,
-            dead_at=self.thresholds.dead_unit,
-            dead_min=(self.thresholds.dead_min_units, self.thresholds.dead_min_samples),
-            bins=bins if histograms else None,
-        )
-        self._grads = OutputGrads(sampler, self.modules, world=self._world)
-        self._compiled = CompiledProbes(  # what compiled graphs measure (``_compiled.py``)
-            list(self.modules),
-            sample,
-            dead_at=self.thresholds.dead_unit,
-            dead_min=(self.thresholds.dead_min_units, self.thresholds.dead_min_samples),
-            device=device_of(model),
-        )
-        self._precision = Precision(precision, sampler, self.modules) if precision else None
-        self._params = Params(model, sampler)
-        self._poison = PoisonedWeights(self._params.params)
-        self._spikes = SpikeWatch(self._params.params, self.thresholds)
+        self._make_probes(model, sampler, bins if histograms else None, precision)
         sharded = any(v is not None for v in self._params.sharded.values())
         if sharded and record_dir is not None:
             raise ValueError(
@@ -252,7 +234,6 @@ class Monitor:
         self._sampled_now = every is not None
         self._flagging = False  # replaying the step with every module flagged
         self._layouts: dict[tuple, list[Entry]] = {}
-        self._bns = BatchNorms(model)
         shapes = {n: list(p.shape) for n, p in self._params.params.items()}
         watched = {n: type(m).__name__ for n, m in self.modules.items()}
         types = {n: type(m).__name__ for n, m in model.named_modules()}
@@ -283,56 +264,9 @@ class Monitor:
         self._checks: Checks | None = None
         self._hooks = HookSet("Monitor")
         try:
-            self._tape = Tape(
-                self._hooks,
-                model,
-                keep_outputs=record_dir is not None,
-                on_first_call=self._bns.save_running if on_nonfinite == "skip" else None,
-                on_top_call=self._on_root,
-            )
-            for name, module in self.modules.items():
-                index = self._compiled.index[name]
-                self._hooks.forward(module, functools.partial(self._on_forward, name, index))
-            for name, module in model.named_modules():
-                if name not in self.modules:
-                    self._hooks.forward(module, self._on_container)
-            self._attention = Attention(
-                model, self._hooks, sample, active=self._measures, buffer=lambda: self._buf
-            )
-            self._optim = OptimizerWatch(
-                self._hooks,
-                self._params.owned,
-                grads=self._read_grads,
-                check=self._check_before_update,
-                before=self._before_update,
-                after=self._after_update,
-            )
-            if optimizer is not None:
-                self._optim.adopt(optimizer)
-            self._checks = Checks(
-                Context(
-                    model,
-                    self.modules,
-                    self._params.params,
-                    self._hooks,
-                    self._write,
-                    # a replay, or a graph being compiled (the checks' hooks are eager-only)
-                    paused=lambda: self._tape.paused or torch.compiler.is_compiling(),
-                    skipping=lambda: self._nonfinite is not None and self.on_nonfinite == "skip",
-                    sampler=sampler,
-                    rank=self._coll.rank if self._coll is not None else None,
-                    world=self._world,
-                ),
-                frozen=frozen,
-                replicated=replicated,
-            )
+            self._hook(model, sampler, optimizer, record_dir, frozen=frozen, replicated=replicated)
             self._stop_listening = listen(self._listener)
-            if distributed and self._coll is None and log_dir is not None:
-                log_dir = Path(log_dir) / f"rank{self.rank}"
-            if log_dir is not None and (self._coll is None or self._coll.rank == 0):
-                self._sinks.append(JsonlSink(Path(log_dir) / LOG_NAME))
-                with contextlib.suppress(ImportError):
-                    self._sinks.append(TensorBoardSink(log_dir))
+            self._open_sinks(log_dir, distributed)
             settings = {
                 "every": every,
                 "sample": sample,
@@ -367,6 +301,95 @@ class Monitor:
             time=time.time(),
         )
         self._write(asdict(header))
+
+    def _make_probes(
+        self, model: nn.Module, sampler: Sampler, bins: int | None, precision: Sequence[str]
+    ) -> None:
+        """What the Monitor measures (``_probes.py``, ``_compiled.py``, ``_precision.py``,
+        ``_signals.py``, ``_poisoned.py``): device tensors into the step's buffer."""
+        dead_min = (self.thresholds.dead_min_units, self.thresholds.dead_min_samples)
+        dead_at = self.thresholds.dead_unit
+        self._acts = Activations(
+            self.modules, sampler, dead_at=dead_at, dead_min=dead_min, bins=bins
+        )
+        self._grads = OutputGrads(sampler, self.modules, world=self._world)
+        self._compiled = CompiledProbes(  # what compiled graphs measure
+            list(self.modules),
+            self.sample,
+            dead_at=dead_at,
+            dead_min=dead_min,
+            device=device_of(model),
+        )
+        self._precision = Precision(precision, sampler, self.modules) if precision else None
+        self._params = Params(model, sampler)
+        self._poison = PoisonedWeights(self._params.params)
+        self._spikes = SpikeWatch(self._params.params, self.thresholds)
+        self._bns = BatchNorms(model)
+
+    def _hook(
+        self,
+        model: nn.Module,
+        sampler: Sampler,
+        optimizer: torch.optim.Optimizer | None,
+        record_dir: str | Path | None,
+        *,
+        frozen: Where | None,
+        replicated: Where | None,
+    ) -> None:
+        """Every hook the Monitor puts on the model and its optimizers, in its HookSet."""
+        self._tape = Tape(
+            self._hooks,
+            model,
+            keep_outputs=record_dir is not None,
+            on_first_call=self._bns.save_running if self.on_nonfinite == "skip" else None,
+            on_top_call=self._on_root,
+        )
+        for name, module in self.modules.items():
+            index = self._compiled.index[name]
+            self._hooks.forward(module, functools.partial(self._on_forward, name, index))
+        for name, module in model.named_modules():
+            if name not in self.modules:
+                self._hooks.forward(module, self._on_container)
+        self._attention = Attention(
+            model, self._hooks, self.sample, active=self._measures, buffer=lambda: self._buf
+        )
+        self._optim = OptimizerWatch(
+            self._hooks,
+            self._params.owned,
+            grads=self._read_grads,
+            check=self._check_before_update,
+            before=self._before_update,
+            after=self._after_update,
+        )
+        if optimizer is not None:
+            self._optim.adopt(optimizer)
+        self._checks = Checks(
+            Context(
+                model,
+                self.modules,
+                self._params.params,
+                self._hooks,
+                self._write,
+                # a replay, or a graph being compiled (the checks' hooks are eager-only)
+                paused=lambda: self._tape.paused or torch.compiler.is_compiling(),
+                skipping=lambda: self._nonfinite is not None and self.on_nonfinite == "skip",
+                sampler=sampler,
+                rank=self._coll.rank if self._coll is not None else None,
+                world=self._world,
+            ),
+            frozen=frozen,
+            replicated=replicated,
+        )
+
+    def _open_sinks(self, log_dir: str | Path | None, distributed: bool) -> None:
+        """The JSON-lines log and TensorBoard (when installed) under ``log_dir``: rank 0's
+        when the ranks' figures are combined, each rank's own under ``rank<N>`` otherwise."""
+        if distributed and self._coll is None and log_dir is not None:
+            log_dir = Path(log_dir) / f"rank{self.rank}"
+        if log_dir is not None and (self._coll is None or self._coll.rank == 0):
+            self._sinks.append(JsonlSink(Path(log_dir) / LOG_NAME))
+            with contextlib.suppress(ImportError):
+                self._sinks.append(TensorBoardSink(log_dir))
 
     @property
     def sampled(self) -> bool:
