@@ -323,12 +323,18 @@ def paired(
     return cond.note, f"{total:.2f}x ({median:.2f}x) | {mean_b:.0f} | {mean_w:.0f}"
 
 
-def measure(key: str, pairs: int, warmup: int) -> list[tuple[str, str]]:
-    """Rows of (condition, result cells) for one model, printed as they come."""
+def built(key: str) -> tuple[str, nn.Module, LossOf, Callable[[nn.Module], torch.optim.Optimizer]]:
+    """``MODELS[key]`` built from seed 0, in training mode: its label, the model, its loss
+    and its optimizer factory."""
     label, build = MODELS[key]
     torch.manual_seed(0)
     base, loss_of, make_opt = build()
-    base.train()
+    return label, base.train(), loss_of, make_opt
+
+
+def measure(key: str, pairs: int, warmup: int) -> list[tuple[str, str]]:
+    """Rows of (condition, result cells) for one model, printed as they come."""
+    label, base, loss_of, make_opt = built(key)
     n_params = sum(p.numel() for p in base.parameters()) / 1e6
     print(f"{label}: {n_params:.2f} M params, {len(leaves(base))} leaf modules", flush=True)
     rows: list[tuple[str, str]] = []
@@ -408,10 +414,7 @@ def measure_compiled(key: str, pairs: int, warmup: int, backend: str) -> list[tu
     compiled bare step."""
     import torch._dynamo
 
-    label, build = MODELS[key]
-    torch.manual_seed(0)
-    base, loss_of, make_opt = build()
-    base.train()
+    label, base, loss_of, make_opt = built(key)
     print(f"{label}: compiled ({backend}) with the Monitor vs compiled bare", flush=True)
     rows = []
     for name, kw in COMPILED_ROWS.items():
@@ -450,12 +453,7 @@ def main_compiled(only: str | None, pairs: int, warmup: int, backend: str) -> No
         f"{pairs} pairs per row ({warmup} warm-up, compiling included); ratio of summed step "
         "times to the compiled bare step (median of per-pair ratios); ms = mean step time"
     )
-    for key, rows in results.items():
-        print(f"\n**{MODELS[key][0]}**, compiled train step\n")
-        print("| condition | ratio (median) | compiled bare ms | with ms |")
-        print("|---|---:|---:|---:|")
-        for name, cell in rows:
-            print(f"| {name} | {cell} |")
+    tables(results, "{model}, compiled train step", "condition", "compiled bare ms")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
 
 
@@ -472,11 +470,8 @@ def measure_checks(
 ) -> list[tuple[str, str]]:
     """Rows of (Monitor, result cells): with its checks (or its rolling window) against
     without them."""
-    label, build = MODELS[key]
+    label, base, loss_of, make_opt = built(key)
     without = PARTS[part]
-    torch.manual_seed(0)
-    base, loss_of, make_opt = build()
-    base.train()
     print(f"{label}: {part} on vs off", flush=True)
     rows = []
     for name, kw in CHECK_ROWS.items():
@@ -641,12 +636,7 @@ def main() -> None:
         f"{getattr(hs, '__version__', '?')} ({os.path.dirname(hs.__file__)}); {pairs} pairs per condition ({warmup} warm-up); "
         "ratio of summed step times (median of per-pair ratios); ms = mean step time"
     )
-    for key, rows in results.items():
-        print(f"\n**{MODELS[key][0]}** train step\n")
-        print("| condition | ratio (median) | bare ms | with ms |")
-        print("|---|---:|---:|---:|")
-        for name, cell in rows:
-            print(f"| {name} | {cell} |")
+    tables(results, "{model} train step", "condition", "bare ms")
     if memory is not None:
         print(
             "\n**Peak RSS** (VmHWM), MLP 8 x Linear(2048, 2048), batch 64, SGD, 20 steps, "
@@ -657,6 +647,19 @@ def main() -> None:
         for name, cell in memory:
             print(f"| {name} | {cell} |")
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
+
+
+def tables(
+    results: dict[str, list[tuple[str, str]]], title: str, first: str, baseline: str
+) -> None:
+    """One Markdown table per model: ``title`` with ``{model}`` for the model's label in
+    bold, ``first`` the first column's head, ``baseline`` the baseline's time column."""
+    for key, rows in results.items():
+        print("\n" + title.format(model=f"**{MODELS[key][0]}**") + "\n")
+        print(f"| {first} | ratio (median) | {baseline} | with ms |")
+        print("|---|---:|---:|---:|")
+        for name, cell in rows:
+            print(f"| {name} | {cell} |")
 
 
 def main_checks(only: str | None, pairs: int, warmup: int, part: str) -> None:
@@ -670,12 +673,7 @@ def main_checks(only: str | None, pairs: int, warmup: int, part: str) -> None:
         f"({warmup} warm-up); ratio of summed step times with the {part} to without (median of "
         "per-pair ratios); ms = mean step time"
     )
-    for key, rows in results.items():
-        print(f"\n**{MODELS[key][0]}**: {part} on vs off\n")
-        print(f"| Monitor | ratio (median) | without {part} ms | with ms |")
-        print("|---|---:|---:|---:|")
-        for name, cell in rows:
-            print(f"| {name} | {cell} |")
+    tables(results, f"{{model}}: {part} on vs off", "Monitor", f"without {part} ms")
 
 
 if __name__ == "__main__":
