@@ -211,3 +211,14 @@ class SharedAcrossSegments(nn.Module):
             else:
                 x = checkpoint(self.block, x, use_reentrant=self.reentrant)
         return x.pow(2).sum()
+
+
+class Twice(nn.Module):
+    """One Linear(2, 2) called twice per forward: two calls, one module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.fc(x))

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 import hookscope as hs
 from hookscope.testing import assert_no_hooks
+from models import Twice
 
 
 class ThreeInputs(nn.Module):
@@ -134,14 +135,6 @@ def test_kwargs_are_captured() -> None:
 
 
 def test_keep_last_and_all_with_a_module_called_twice_per_pass() -> None:
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(2, 2)
-
-        def forward(self, x):
-            return self.fc(self.fc(x))
-
     model = Twice()
     with hs.capture(model, "fc", keep="last") as last, hs.capture(model, "fc", keep="all") as every:
         model(torch.ones(1, 2))

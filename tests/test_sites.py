@@ -18,7 +18,7 @@ from torch import nn
 import hookscope as hs
 from hookscope._hooks import HookSet, in_backward_recompute
 from hookscope._sites import CallClock, alias_grad_inputs, forward_failed, same_layout_copy
-from models import gpt2, images, resnet_pair, token_ids
+from models import Twice, gpt2, images, resnet_pair, token_ids
 
 
 def test_checkpoint_re_runs_map_to_the_call_they_repeat_on_gpt2() -> None:
@@ -108,14 +108,6 @@ def test_copy_for_the_gradient_keeps_strides_offset_and_survives_in_place_ops() 
 
 
 def test_site_tells_name_call_and_index() -> None:
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(2, 2)
-
-        def forward(self, x):
-            return self.fc(self.fc(x))
-
     seen = []
     model = Twice()
     with hs.intervene(model, "fc", lambda out, site: seen.append((site.name, site.call))):
