@@ -371,8 +371,7 @@ def compiled_wrappers(model: nn.Module) -> list[nn.Module]:
     Hooks of a ``torch.nn`` container compiled whole (``torch.compile(nn.Sequential(...))``)
     are traced into its graph, so no hook of its own runs eagerly; its wrapper's hooks do.
     One walk over the objects the garbage collector tracks (a fraction of a second, once)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    optimized = getattr(eval_frame, "OptimizedModule", None)
+    optimized = _optimized_module_class()
     if optimized is None:
         return []
     # type(), not isinstance(): a dead weak proxy among the objects raises on any other look.
@@ -435,11 +434,14 @@ def _forward_codes(kind: type) -> list[Any]:
     return codes
 
 
+def _optimized_module_class() -> type | None:
+    """``torch.compile``'s wrapper class, or ``None`` when Dynamo was never imported (then
+    nothing was compiled, and importing it just to look would cost a second)."""
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+
+
 def _is_optimized_module(model: nn.Module) -> bool:
-    # Look only in sys.modules: if dynamo was never imported, nothing was compiled, and
-    # importing it just to check would cost a second.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    optimized = getattr(eval_frame, "OptimizedModule", None)
+    optimized = _optimized_module_class()
     return optimized is not None and isinstance(model, optimized)
 
 

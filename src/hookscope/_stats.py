@@ -17,6 +17,7 @@ __all__ = [
     "MOMENTS",
     "Plan",
     "Sampler",
+    "channel_dim",
     "dead_fraction",
     "flag_sum",
     "histogram",
@@ -88,7 +89,7 @@ class Sampler:
     def units(self, t: torch.Tensor) -> torch.Tensor:
         """A ``(positions, units)`` sample: every unit, at up to ``max(64, k / units)``
         positions spread over the batch (and space, or sequence)."""
-        unit_dim = t.dim() - 1 if t.dim() == 3 else 1
+        unit_dim = channel_dim(t)
         c = t.shape[unit_dim]
         positions = t.numel() // max(c, 1)
         want = positions if self.k is None else max(MIN_POSITIONS, self.k // max(c, 1))
@@ -108,7 +109,7 @@ class Sampler:
         """Each channel's largest magnitude over ``x``, ``self(t)``: the sample already read
         (the channel: the last dim of a 3-D ``(batch, sequence, hidden)`` output, else dim 1;
         the strided sample meets every channel, coprime as its stride is). Float32."""
-        unit_dim = t.dim() - 1 if t.dim() == 3 else 1
+        unit_dim = channel_dim(t)
         c = t.shape[unit_dim]
         if x.numel() == t.numel():  # the whole tensor: reduce it directly
             dims = [d for d in range(t.dim()) if d != unit_dim]
@@ -121,6 +122,12 @@ class Sampler:
             ids = self._channels[key] = (index // inner) % c
         out = torch.zeros(c, device=x.device)
         return out.scatter_reduce_(0, ids, x.abs().float(), "amax")
+
+
+def channel_dim(t: torch.Tensor) -> int:
+    """The dim of a module output's units or channels: the last of a 3-D ``(batch,
+    sequence, hidden)`` tensor, else dim 1 (``(batch, features)``, ``(N, C, H, W)``)."""
+    return t.dim() - 1 if t.dim() == 3 else 1
 
 
 def strided_index(n: int, k: int, shape: torch.Size, device: torch.device) -> torch.Tensor:

@@ -52,6 +52,7 @@ from torch import nn
 from .._stats import (
     MIN_POSITIONS,
     MOMENTS,
+    channel_dim,
     dead_fraction,
     flag_sum,
     moments,
@@ -299,7 +300,7 @@ def _sample(t: torch.Tensor, k: int | None) -> torch.Tensor:
 
 def _units(t: torch.Tensor, k: int | None) -> torch.Tensor:
     """What :meth:`~hookscope._stats.Sampler.units` takes, without its cache."""
-    unit_dim = t.dim() - 1 if t.dim() == 3 else 1
+    unit_dim = channel_dim(t)
     c = t.shape[unit_dim]
     positions = t.numel() // max(c, 1)
     want = positions if k is None else max(MIN_POSITIONS, k // max(c, 1))
