@@ -145,9 +145,9 @@ class Monitor:
 
     Large-model signals (``_signals.py``): on every step a rolling window keeps the loss,
     ``grad_norm``, the learning rates and per parameter group (a transformer block, an
-    embedding) its gradients' L1 norm, reused from the non-finite check (no pass of its own);
-    a ``loss_spike`` finding names the group whose norm left its own range first, with the
-    window in the log (``record_on=("loss_spike",)`` records the step). Sampled steps add
+    embedding) its gradients' L1 norm, reused from the non-finite check, and the L1 norm of
+    a fixed sample of its weights; a ``loss_spike`` finding names the group whose gradient
+    norm or weights left their own range first, with the window in the log (``record_on=("loss_spike",)`` records the step). Sampled steps add
     each module's ``kurtosis`` and ``absmax_over_rms``, and ``massive_activations`` when the
     latter stays high, and each attention module's largest pre-softmax logit
     (``_attention.py``), with ``attention_logit_growth`` when it grows. ``precision=`` adds
@@ -247,8 +247,8 @@ class Monitor:
         self._early: list[Finding] = []  # this step's findings from before the update
         self.record_dir = None if record_dir is None else Path(record_dir)
         self.record_on = tuple(record_on)
-        ranks = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        self._skip = None if skip_list is None else SkipList(skip_list, *ranks)
+        world = dist.get_world_size() if distributed else 1
+        self._skip = None if skip_list is None else SkipList(skip_list, self.rank or 0, world)
         self._recorded: set[str] = set()
         self._memory = MemorySink()
         self._sinks: list[Sink] = [self._memory, *sinks]
@@ -294,7 +294,7 @@ class Monitor:
             params=shapes,
             settings={
                 **settings,
-                "world": dist.get_world_size() if distributed else 1,
+                "world": world,
                 "sync": self._coll is not None,
                 **({"rank": self.rank} if distributed and self._coll is None else {}),
             },
@@ -609,7 +609,6 @@ class Monitor:
             else:
                 plain[key] = scalar_number(key, value)
         if sampled:
-            self._acts.collect(buf)
             self._params.collect(buf)
             self._bns.collect(buf)
         self._checks.collect(buf, sampled)
@@ -618,9 +617,7 @@ class Monitor:
         if self._coll is None:
             host = self._to_host()
         else:
-            self._tape_compiled_root()
-            compiled = self._compiled.ran
-            self._compiled.drain(buf)  # not in the layout: it travels as this rank's own
+            compiled = self._before_transfer()  # not in the layout: the rank's own
             host, info = self._coll.exchange(
                 buf,
                 self._layout(sampled, tensor_scalars),
@@ -695,13 +692,20 @@ class Monitor:
 
     def _to_host(self) -> Host:
         """The step's buffer on the host, with what compiled graphs measured in it."""
-        self._tape_compiled_root()
-        if self.sampled:  # before an update's early transfer too: only the top channels move
-            self._acts.collect(self._buf)
-        self._compiled.drain(self._buf)
+        self._before_transfer()
         host = self._buf.to_host()
         self._compiled.unpack(host, self._trail.flags, self._grads.order)
         return host
+
+    def _before_transfer(self) -> bool:
+        """Ready the buffer for a transfer (an update's early one too): only the top channels
+        move, and what compiled graphs measured joins it. True when a compiled graph ran."""
+        self._tape_compiled_root()
+        if self.sampled:
+            self._acts.collect(self._buf)
+        compiled = self._compiled.ran
+        self._compiled.drain(self._buf)
+        return compiled
 
     def _tape_compiled_root(self) -> None:
         """A compiled graph ran and the tape kept no call: the root's hooks were traced into
