@@ -69,11 +69,12 @@ class Attention:
         active: Callable[[nn.Module], bool],
         buffer: Callable[[], StepBuffer],
     ) -> None:
-        self.modules = list(attention_modules(model))
+        found = attention_modules(model)
+        self.modules = list(found)
         self.sample, self._active, self._buffer = sample, active, buffer
         self._running: list[str] = []  # the attention modules in their forward, outermost first
         self._wrapped: _Wrapped | None = None
-        for name, module in attention_modules(model).items():
+        for name, module in found.items():
             if isinstance(module, nn.MultiheadAttention):
                 hooks.forward_pre(module, lambda m, a, k, name=name: self._multihead(name, m, a, k))
                 continue
