@@ -41,6 +41,7 @@ __all__ = [
     "eager_only",
     "in_backward_recompute",
     "live_handles",
+    "live_objects",
     "training_mode",
     "uncompiled",
     "unwrap_parallel",
@@ -374,9 +375,15 @@ def compiled_wrappers(model: nn.Module) -> list[nn.Module]:
     optimized = _optimized_module_class()
     if optimized is None:
         return []
-    # type(), not isinstance(): a dead weak proxy among the objects raises on any other look.
-    found = (o for o in gc.get_objects() if issubclass(type(o), optimized))
-    return [o for o in found if o._orig_mod is model]
+    return [o for o in live_objects(optimized) if o._orig_mod is model]
+
+
+def live_objects(*kinds: type) -> list[Any]:
+    """The objects of ``kinds`` the garbage collector tracks now (one walk over them).
+
+    By ``type()``, never ``isinstance()``: torch's deprecated proxies warn on ``__class__``
+    and a dead weak proxy raises on it."""
+    return [o for o in gc.get_objects() if issubclass(type(o), kinds)]
 
 
 def eager_calls() -> contextlib.AbstractContextManager[None]:

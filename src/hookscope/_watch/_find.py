@@ -9,13 +9,12 @@ parameters concerned are the models to watch, looked through wrappers (DDP,
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._hooks import uncompiled
+from .._hooks import live_objects, uncompiled
 
 __all__ = ["owns", "scan", "trained_by_hand"]
 
@@ -50,14 +49,9 @@ def trained_by_hand() -> list[nn.Module]:
 
 def _objects() -> tuple[list[nn.Module], list[Any]]:
     """Every module and every optimizer of the process (one scan of the collector's)."""
-    modules, optimizers = [], []
-    for obj in gc.get_objects():
-        kind = type(obj)  # never isinstance(): torch's deprecated proxies warn on __class__
-        if issubclass(kind, nn.Module):
-            modules.append(obj)
-        elif issubclass(kind, torch.optim.Optimizer):
-            optimizers.append(obj)
-    return modules, optimizers
+    found = live_objects(nn.Module, torch.optim.Optimizer)
+    modules = [o for o in found if issubclass(type(o), nn.Module)]
+    return modules, [o for o in found if issubclass(type(o), torch.optim.Optimizer)]
 
 
 def _models(modules: list[nn.Module], params: set[int]) -> list[nn.Module]:
