@@ -171,7 +171,7 @@ def moments(x: torch.Tensor, bounds: tuple[float, float] | None) -> torch.Tensor
             sat.to(x.dtype),
             nan.to(x.dtype),
             (x.numel() - finite.sum() - nan).to(x.dtype),
-            x.new_tensor(float(x.numel())),
+            x.new_full((), float(x.numel())),
         ]
     ).float()
 

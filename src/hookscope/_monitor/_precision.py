@@ -105,7 +105,7 @@ class Precision:
         nonzero = a > 0
         under = (nonzero & (a <= zero_at[:, None])).sum(1)
         over = (a > big[:, None]).sum(1)
-        n = a.new_tensor([float(a.numel())])
+        n = a.new_full((1,), float(a.numel()))
         buf.add(("prec", kind, name), torch.cat([n, under.to(a.dtype), over.to(a.dtype)]).float())
         finite = torch.isfinite(a)
         empty = a.numel() == 0

@@ -58,7 +58,7 @@ class Activations:
             lo, hi = torch.aminmax(x.float()) if x.numel() else (x.new_zeros(()),) * 2
             buf.add(("act_min", name), lo, "min")
             buf.add(("act_max", name), hi, "max")
-            buf.add(("act_numel", name), torch.tensor(float(t.numel())))
+            buf.add(("act_numel", name), x.new_full((), float(t.numel()), dtype=torch.float32))
             if t.dim() >= 2 and t.is_floating_point() and x.numel():
                 self._channels(buf, name, self.sampler.channel_amax(t, x))
             if plan.dead and t.dim() >= 2:
@@ -164,8 +164,8 @@ class OutputGrads:
         key = ("grad", name)
         if key not in buf:
             self.order.append(name)
-        sums = torch.stack([x.square().sum(), x.new_tensor(float(x.numel()))]).float()
-        buf.add(key, torch.cat([sums, sums.new_tensor([float(grad.numel())])]))
+        sums = torch.stack([x.square().sum(), x.new_full((), float(x.numel()))]).float()
+        buf.add(key, torch.cat([sums, sums.new_full((1,), float(grad.numel()))]))
         buf.add(("grad_absmax", name), x.abs().max() if x.numel() else x.new_zeros(()), "max")
 
     def layout(self) -> list[Entry]:

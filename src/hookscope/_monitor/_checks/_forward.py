@@ -141,7 +141,7 @@ class EvalMismatch:
             return
         self._calls[name] = calls + 1
         x = self.ctx.sampler(first.detach()).float()
-        sums = torch.stack([x.square().sum(), x.new_tensor(float(x.numel())), x.abs().max()])
+        sums = torch.stack([x.square().sum(), x.new_full((), float(x.numel())), x.abs().max()])
         old = self._pending.get(name)
         self._pending[name] = (
             sums
