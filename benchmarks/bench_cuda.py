@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -104,10 +103,10 @@ def gpt2(
 
 def cnn(device: str, batch: int = 16, size: int = 64) -> Built:
     torch.manual_seed(0)
-    model, loss_of, make_opt = bm.cnn()
+    model, _, make_opt = bm.cnn()
     model = model.to(device)
-    x = torch.randn(batch, 3, size, size, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
+    x = torch.randn(batch, 3, size, size).to(device)
+    y = torch.randint(0, 10, (batch,)).to(device)
     return model, lambda m: nn.functional.cross_entropy(m(x), y), make_opt
 
 

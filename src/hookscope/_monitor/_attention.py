@@ -31,6 +31,7 @@ moved to the host with the step's one transfer.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -256,10 +257,12 @@ def _masked(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return logits + mask.float()
 
 
+@functools.lru_cache(maxsize=64)
 def _rows(
     length: int, heads: int, keys: int, sample: int | None, device: torch.device
 ) -> torch.Tensor:
     """Query positions such that all heads' logits number at most ``sample`` (one row at
-    least: the last, which a causal mask lets see every key)."""
+    least: the last, which a causal mask lets see every key). Made on the host once per
+    shape: ``unique`` on a GPU would wait for the device at every sampled call."""
     n = length if sample is None else max(1, min(length, sample // max(heads * keys, 1)))
-    return torch.linspace(length - 1, 0, n, device=device).round().long().flip(0).unique()
+    return torch.linspace(length - 1, 0, n).round().long().flip(0).unique().to(device)
