@@ -192,7 +192,11 @@ def histogram(t: torch.Tensor, bins: int) -> torch.Tensor:
     lo, hi = torch.aminmax(x)
     width = (hi - lo).clamp_min(1e-12) / bins
     index = ((x - lo) / width).long().clamp_(0, bins - 1)
-    counts = torch.bincount(index, minlength=bins).float()
+    # not bincount: on a GPU it reads the largest index back to size its output (a sync)
+    counts = torch.zeros(bins, dtype=torch.long, device=x.device).index_add_(
+        0, index, torch.ones_like(index)
+    )
+    counts = counts.float()
     return torch.cat([lo.reshape(1), hi.reshape(1), counts])
 
 
