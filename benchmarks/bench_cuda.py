@@ -264,11 +264,12 @@ class SyncCounter:
                 self.where[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
 
 
-def syncs_of(device: str, every: int | None, compiled: bool, steps: int = 12) -> dict:
+def syncs_of(device: str, monitor: dict | None, compiled: bool, steps: int = 12) -> dict:
     """Syncs per step of GPT-2 training: unsampled and sampled steps apart."""
     model, loss_of, make_opt = gpt2(device)
     opt = make_opt(model)
-    mon = None if every == 0 else hs.Monitor(model, every=every)
+    mon = None if monitor is None else hs.Monitor(model, **monitor)
+    every = None if mon is None else mon.every
     call = torch.compile(model) if compiled else model
     per_step, where = [], Counter()
     try:
@@ -302,16 +303,17 @@ def part_syncs(device: str) -> dict:
     if not device.startswith("cuda"):
         return {"skipped": "needs CUDA"}
     out = {}
-    for label, every, compiled in (
-        ("bare", 0, False),
-        ("every=None", None, False),
-        ("every=10", 10, False),
-        ("bare compiled", 0, True),
-        ("every=10 compiled", 10, True),
+    for label, monitor, compiled in (
+        ("bare", None, False),
+        ("every=None", {"every": None}, False),
+        ("every=10", {"every": 10}, False),
+        ("every=2, histograms", {"every": 2, "histograms": True}, False),
+        ("bare compiled", None, True),
+        ("every=10 compiled", {"every": 10}, True),
     ):
         torch._dynamo.reset()
         try:
-            out[label] = syncs_of(device, every, compiled)
+            out[label] = syncs_of(device, monitor, compiled)
         except Exception as e:
             out[label] = {"error": bm.one_line(e)}
         print(f"   syncs {label}: {out[label]}", flush=True)
@@ -415,10 +417,10 @@ def part_eager(
 
 
 COMPILED_MODELS = {
-    "GPT-2 4x256, 8x128 tokens (the CPU bench's)": lambda d: gpt2(d),
     "GPT-2 6x768, 8x512 tokens, vocab 50257": lambda d: gpt2(
         d, layers=6, width=768, tokens=512, vocab=50257
     ),
+    "GPT-2 4x256, 8x128 tokens (the CPU bench's)": lambda d: gpt2(d),
 }
 
 
