@@ -367,6 +367,10 @@ def part_cudagraphs(device: str) -> dict:
                 "graph_breaks": sum(counters["graph_break"].values()),
                 "reasons": handler.lines[:4],
                 "median_ms": 1e3 * sorted(times)[len(times) // 2],
+                "step_ms": [round(1e3 * t, 1) for t in times],
+                "inductor": dict(counters["inductor"]),
+                "stats": dict(counters["stats"]),
+                "recompiles": dict(counters["recompiles"]) if "recompiles" in counters else {},
             }
         except Exception as e:
             traceback.print_exc(limit=-4)
