@@ -327,8 +327,12 @@ class Messages(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
-        if "cudagraph" in text.lower():
+        if "cudagraph" in text.lower() or "ecording" in text or "Running " in text:
             self.lines.append(text[:300])
+
+    def kinds(self) -> dict[str, int]:
+        """Messages by their first words past the compile id (``Re-recording function``)."""
+        return dict(Counter(" ".join(line.split("] ")[-1].split()[:2]) for line in self.lines))
 
 
 def part_cudagraphs(device: str) -> dict:
@@ -336,7 +340,7 @@ def part_cudagraphs(device: str) -> dict:
         return {"skipped": "needs CUDA"}
     from torch._dynamo.utils import counters
 
-    torch._logging.set_logs(perf_hints=True)
+    torch._logging.set_logs(perf_hints=True, cudagraphs=True)
     out = {}
     for label, every in (("bare", 0), ("every=10", 10), ("every=1", 1), ("every=None", None)):
         torch._dynamo.reset()
@@ -365,7 +369,9 @@ def part_cudagraphs(device: str) -> dict:
             out[label] = {
                 "cudagraph_skips": counters["inductor"].get("cudagraph_skips", 0),
                 "graph_breaks": sum(counters["graph_break"].values()),
-                "reasons": handler.lines[:4],
+                "reasons": [x for x in handler.lines if "skipping" in x][:4],
+                "log": handler.kinds(),
+                "rerecord": [x for x in handler.lines if "Re-recording" in x][:3],
                 "median_ms": 1e3 * sorted(times)[len(times) // 2],
                 "step_ms": [round(1e3 * t, 1) for t in times],
                 "inductor": dict(counters["inductor"]),
