@@ -253,4 +253,4 @@ def test_torch_functions_are_put_back_and_nothing_is_kept() -> None:
     assert current == originals
     assert len(_global_optimizer_pre_hooks) == global_hooks  # GradScaler.step's step counter
     assert_no_hooks(model)
-    assert outer._heard.loss is None  # the last step's loss is not kept alive after it
+    assert outer._now.heard.loss is None  # the last step's loss is not kept alive after it

@@ -15,8 +15,7 @@ import functools
 import inspect
 import json
 import time
-import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds, mark_cleared
-from .._errors import HookscopeWarning, NonFiniteError
-from .._hooks import HookSet, compiled_wrappers, eager_calls, eager_model, in_backward_recompute
+from .._hooks import HookSet, compiled_wrappers, eager_model, in_backward_recompute
 from .._log import LOG_NAME, Cleared, Event, Header, StepRecord
 from .._select import Where, select
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
@@ -35,13 +33,14 @@ from .._stats import Sampler
 from .._tree import tensors
 from .._version import __version__
 from ._attention import Attention
-from ._buffer import Host, StepBuffer
+from ._buffer import Host
 from ._calls import listen
 from ._checks import Checks, Context
 from ._compiled import CompiledProbes
-from ._dist import FOUND_SCALARS, Collective, Entry, RankInfo, digest
-from ._heard import Ears, Heard
-from ._nonfinite import PASS_THROUGH, NonFiniteTrail
+from ._decide import NonFiniteDecision, nonfinite_error
+from ._dist import Collective, Entry, RankInfo, digest
+from ._heard import Ears
+from ._nonfinite import PASS_THROUGH
 from ._optim import OptimizerWatch
 from ._options import (
     batch_list,
@@ -53,11 +52,12 @@ from ._options import (
     scalar_tensor,
     thresholds_from,
 )
-from ._poisoned import PoisonedWeights
 from ._precision import Precision
 from ._probes import Activations, BatchNorms, OutputGrads, Params
 from ._signals import SkipList, SpikeWatch
-from ._trace import Tape, replay, trace
+from ._step import StepState
+from ._trace import Tape
+from ._warnings import Warnings
 
 __all__ = ["Monitor"]
 
@@ -212,8 +212,6 @@ class Monitor:
         self.step_count = 0
         self._model = model
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
-        self._buf = StepBuffer()
-        self._trail = NonFiniteTrail()
         self._make_probes(model, sampler, bins if histograms else None, precision)
         sharded = any(v is not None for v in self._params.sharded.values())
         if sharded and record_dir is not None:
@@ -221,30 +219,10 @@ class Monitor:
                 "record_dir= does not support sharded (FSDP2) parameters yet: the replay "
                 "bundle holds the whole model's state. Leave record_dir unset."
             )
-        # A replay runs the model's forward on one rank: never where that needs the others
-        # (FSDP2 gathers its shards, SyncBatchNorm its statistics).
-        self._can_trace = not sharded and not any(
-            isinstance(m, nn.SyncBatchNorm) for m in model.modules()
-        )
-        # Unsampled steps: the flags at the model's edges (its inputs and outputs, the gradient
-        # reaching them, the parameters' gradients) find a NaN/Inf, and a replay of the step
-        # finds its module and op; a module call costs next to nothing. Where no replay can
-        # (several ranks, or a replay that found nothing), every module output is flagged.
-        self._light = self._can_trace and self._coll is None and "" not in self.modules
-        self._sampled_now = every is not None
-        self._flagging = False  # replaying the step with every module flagged
-        self._layouts: dict[tuple, list[Entry]] = {}
         shapes = {n: list(p.shape) for n, p in self._params.params.items()}
         watched = {n: type(m).__name__ for n, m in self.modules.items()}
         types = {n: type(m).__name__ for n, m in model.named_modules()}
         self._diagnosis = Diagnosis(self.thresholds, shapes, types)
-        self._no_grad_names: set[str] = set()
-        self._made: dict[str, set[int]] = {}  # sampled steps: outputs needing a gradient
-        self._got_grad: set[str] = set()  # modules whose output gradient arrived
-        self._returned: set[int] = set()  # outputs that a container returned
-        self._updates = self._skipped = 0
-        self._nonfinite: Finding | None = None  # this step's, once found
-        self._early: list[Finding] = []  # this step's findings from before the update
         self.record_dir = None if record_dir is None else Path(record_dir)
         self.record_on = tuple(record_on)
         world = dist.get_world_size() if distributed else 1
@@ -253,18 +231,25 @@ class Monitor:
         self._memory = MemorySink()
         self._sinks: list[Sink] = [self._memory, *sinks]
         self._grad_calls = 0  # output gradients seen: did a backward pass reach the model?
-        # This step: did any hook on the model run, did a backward pass run? (A compiled graph
-        # from before the hooks runs the model without them.) Warned once.
-        self._hooks_ran = self._backward_ran = self._warned_unhooked = False
-        self._warned_compiled = False
+        self._warnings = Warnings()
         self._wrapper_taped = False
-        self._heard = Heard()  # this step's loss, loss scale, clips (``_heard.py``)
         self._listener = Ears(self)
         self._stop_listening = lambda: None
         self._checks: Checks | None = None
         self._hooks = HookSet("Monitor")
         try:
             self._hook(model, sampler, optimizer, record_dir, frozen=frozen, replicated=replicated)
+            self._decision = NonFiniteDecision(
+                model,
+                self._tape,
+                self._diagnosis,
+                self._params.params,
+                self._coll,
+                sharded=sharded,
+                root_watched="" in self.modules,
+                flagged=self._flagging,
+            )
+            self._now = self._new_state()  # what the hooks write this step (``_step.py``)
             self._stop_listening = listen(self._listener)
             self._open_sinks(log_dir, distributed)
             settings = {
@@ -322,7 +307,6 @@ class Monitor:
         )
         self._precision = Precision(precision, sampler, self.modules) if precision else None
         self._params = Params(model, sampler)
-        self._poison = PoisonedWeights(self._params.params)
         self._spikes = SpikeWatch(self._params.params, self.thresholds)
         self._bns = BatchNorms(model)
 
@@ -351,7 +335,7 @@ class Monitor:
             if name not in self.modules:
                 self._hooks.forward(module, self._on_container)
         self._attention = Attention(
-            model, self._hooks, self.sample, active=self._measures, buffer=lambda: self._buf
+            model, self._hooks, self.sample, active=self._measures, buffer=lambda: self._now.buf
         )
         self._optim = OptimizerWatch(
             self._hooks,
@@ -372,7 +356,7 @@ class Monitor:
                 self._write,
                 # a replay, or a graph being compiled (the checks' hooks are eager-only)
                 paused=lambda: self._tape.paused or torch.compiler.is_compiling(),
-                skipping=lambda: self._nonfinite is not None and self.on_nonfinite == "skip",
+                skipping=lambda: self._now.nonfinite is not None and self.on_nonfinite == "skip",
                 sampler=sampler,
                 rank=self._coll.rank if self._coll is not None else None,
                 world=self._world,
@@ -427,49 +411,51 @@ class Monitor:
     ) -> Any:
         if torch.compiler.is_compiling():  # traced into a graph: ``_compiled.py``
             return self._on_forward_compiled(index, module, args, output)
-        if self._tape.paused and not self._flagging:  # a replay under the op tracer
+        s = self._now
+        if self._tape.paused and not s.flagging:  # a replay under the op tracer
             return
-        self._hooks_ran = True
-        if self._light and not self._sampled_now and self._tape.recording:
+        s.hooks_ran = True
+        if s.light and self._tape.recording:
             return  # the edges' flags and a replay stand for this call's
         outs = [t for t in tensors(output) if t.is_floating_point()]
         if in_backward_recompute():
             # Activation checkpointing re-runs forward during backward: never count it again.
             # A reentrant checkpoint ran the first pass without autograd; the gradients flow
             # through this re-run, so hook them here.
-            if name in self._no_grad_names:
+            if name in s.no_grad_names:
                 self._hook_grads(name, outs)
             return
         if not outs:
             return
-        sampled = self.sampled
+        sampled = s.sampled
         light = not sampled and name in self._pass_through
-        outs = self._trail.forward(self._buf, name, tensors(args), outs, pass_through=light)
+        outs = s.trail.forward(s.buf, name, tensors(args), outs, pass_through=light)
         if not outs:  # it returned its input: an alias of the module that made it
             return
         if torch.is_grad_enabled():
             if sampled:
-                self._made[name] = {t.data_ptr() for t in outs if t.requires_grad}
+                s.made[name] = {t.data_ptr() for t in outs if t.requires_grad}
             if not light:
                 self._hook_grads(name, outs)
         else:
-            self._no_grad_names.add(name)
+            s.no_grad_names.add(name)
             if self._tape.grad_enabled:  # no_grad inside the model's own forward
-                self._trail.detached.add(name)
+                s.trail.detached.add(name)
         if sampled and module.training:
-            self._acts.forward(self._buf, name, outs)
+            self._acts.forward(s.buf, name, outs)
             if self._precision is not None:
-                self._precision.forward(self._buf, name, outs)
+                self._precision.forward(s.buf, name, outs)
 
     def _on_forward_compiled(
         self, index: torch.Tensor, module: nn.Module, args: Any, output: Any
     ) -> Any:
         """The forward hook inside a compiled graph: it reads only Python bools (one graph
         for sampled steps, one for the others) and the module's index tensor."""
-        self._hooks_ran = True
-        if self._light and not self._sampled_now and self._tape.recording:
+        s = self._now
+        s.hooks_ran = True
+        if s.light and self._tape.recording:
             return None  # the edges' flags and a replay stand for this call's
-        return self._compiled.forward(index, module, args, output, sampled=self._sampled_now)
+        return self._compiled.forward(index, module, args, output, sampled=s.sampled)
 
     def _measures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` now adds to the step's statistics: a sampled step in
@@ -478,7 +464,7 @@ class Monitor:
         if torch.compiler.is_compiling():
             return False
         paused = self._tape.paused or in_backward_recompute()
-        return self.sampled and module.training and not paused
+        return self._now.sampled and module.training and not paused
 
     def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Unsampled steps: flag the inputs and outputs of each outermost call into the model
@@ -487,12 +473,13 @@ class Monitor:
         a parameter's gradient). Called by the tape as each such call returns."""
         if self._compiled.ran and not self._tape.paused and torch.is_grad_enabled():
             self._hear_backward(output)
-        if not self._light or self._sampled_now or self._tape.paused or in_backward_recompute():
+        s = self._now
+        if not s.light or self._tape.paused or in_backward_recompute():
             return
         outs = [t for t in tensors(output) if t.is_floating_point()]
         # Positional inputs only, as for every module: keyword ones are often masks that
         # hold -inf on purpose.
-        outs = self._trail.forward(self._buf, name, tensors(args), outs, nan_inputs=True)
+        outs = s.trail.forward(s.buf, name, tensors(args), outs, nan_inputs=True)
         if outs and torch.is_grad_enabled():
             for t in outs:
                 if t.requires_grad:
@@ -511,16 +498,18 @@ class Monitor:
 
     def _on_edge_grad(self, name: str, grad: torch.Tensor) -> None:
         self._grad_calls += 1
-        self._trail.backward(self._buf, name, grad, edge=True)
+        s = self._now
+        s.trail.backward(s.buf, name, grad, edge=True)
 
     def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """What a container returns: a watched module's output that no container returns,
         feeds nothing that one does, and gets no gradient, was detached or thrown away."""
-        self._hooks_ran = True
+        s = self._now
+        s.hooks_ran = True
         if torch.compiler.is_compiling():  # eager-only (``_compiled.py``)
             return
-        if self.sampled and torch.is_grad_enabled() and not self._tape.paused:
-            self._returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)
+        if s.sampled and torch.is_grad_enabled() and not self._tape.paused:
+            s.returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)
 
     def _hook_grads(self, name: str, outs: list[torch.Tensor]) -> None:
         for t in outs:
@@ -529,57 +518,68 @@ class Monitor:
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> None:
         self._grad_calls += 1
-        self._got_grad.add(name)
-        self._trail.backward(self._buf, name, grad)
-        if self.sampled:
-            self._grads.backward(self._buf, name, grad)
+        s = self._now
+        s.got_grad.add(name)
+        s.trail.backward(s.buf, name, grad)
+        if s.sampled:
+            self._grads.backward(s.buf, name, grad)
             if self._precision is not None:
-                self._precision.backward(self._buf, name, grad)
+                self._precision.backward(s.buf, name, grad)
 
     def _read_grads(self, optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
-        if self.sampled:
-            self._params.read_grads(self._buf, names, stepped=optimizer is not None)
-        first = len(self._trail.flags)
-        self._trail.parameters(self._buf, self._params.params, names)
-        flags = self._trail.flags[first:]  # their L1 norms feed the rolling window too
-        self._spikes.flags(first, len(self._trail.flags), [f.param for f in flags])
-        self._spikes.weights(self._buf)
+        s = self._now
+        if s.sampled:
+            self._params.read_grads(s.buf, names, stepped=optimizer is not None)
+        first = len(s.trail.flags)
+        s.trail.parameters(s.buf, self._params.params, names)
+        flags = s.trail.flags[first:]  # their L1 norms feed the rolling window too
+        self._spikes.flags(first, len(s.trail.flags), [f.param for f in flags])
+        self._spikes.weights(s.buf)
 
     def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
         """The non-finite check, before the optimizer changes anything. True: skip it."""
-        if self._nonfinite is None:
+        s, decision = self._now, self._decision
+        if s.nonfinite is None:
             if self._coll is None:
-                host = self._to_host()
-                self._nonfinite = self._localised(host, self.step_count)
+                s.nonfinite = decision.localised(s, self._to_host(), self.step_count, self.findings)
             elif self.on_nonfinite == "log":
                 return False  # found at step(), from the step's one collective
             else:  # every rank must take the same decision before its update
-                info = self._coll.agree_bad(self._bad_bits(), self.step_count)
-                host = self._buf.to_host(only=lambda key: key[0] == "flag")
-                self._nonfinite = self._agreed(host, info)
-            if self._nonfinite is not None:
-                self._early = self._report(self._with_overflow(self._nonfinite), before_update=True)
+                s.nonfinite = decision.agreed_now(s, self.step_count, self.findings)
+            if s.nonfinite is not None:
+                s.early = self._report(decision.with_overflow(s.nonfinite), before_update=True)
                 if self.on_nonfinite == "raise":
-                    raise self._error(self._nonfinite)
-        if self._nonfinite is None or self.on_nonfinite != "skip":
+                    raise nonfinite_error(s.nonfinite)
+        if s.nonfinite is None or self.on_nonfinite != "skip":
             return False
         self._bns.restore_running()
         self._write_event(
             "skipped_step",
             f"step {self.step_count}: skipped the update of {type(optimizer).__name__} "
-            f"(weights and optimizer state unchanged): {self._nonfinite.message}",
+            f"(weights and optimizer state unchanged): {s.nonfinite.message}",
         )
-        self._skipped += 1
+        s.skipped += 1
         return True
 
     def _before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
-        self._updates += 1
-        if self.sampled:
+        self._now.updates += 1
+        if self._now.sampled:
             self._params.before_update(names)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
-        if self.sampled:
-            self._params.after_update(self._buf, names)
+        if self._now.sampled:
+            self._params.after_update(self._now.buf, names)
+
+    @contextlib.contextmanager
+    def _flagging(self) -> Iterator[StepState]:
+        """While the step is replayed with every watched module flagged (``_decide.py``),
+        the hooks write into a state of the replay's own, which this yields."""
+        kept = self._now
+        self._now = StepState(sampled=False, light=False, flagging=True)
+        try:
+            yield self._now
+        finally:
+            self._now = kept
 
     # -- the step boundary: one host transfer ------------------------------------------------
     def step(self, *, batch_indices: Any = None, **scalars: Any) -> list[Finding]:
@@ -600,68 +600,39 @@ class Monitor:
         Returns the findings first seen at this step.
         """
         check_batch_indices(batch_indices)
-        step, sampled, buf = self.step_count, self.sampled, self._buf
-        scalars = {**self._heard.scalars(), **scalars}
+        s, step = self._now, self.step_count
+        scalars = {**s.heard.scalars(), **scalars}
         plain: dict[str, float] = {}
         for key, value in scalars.items():
             if isinstance(value, torch.Tensor):
-                buf.set(("scalar", key), scalar_tensor(key, value))
+                s.buf.set(("scalar", key), scalar_tensor(key, value))
             else:
                 plain[key] = scalar_number(key, value)
-        if sampled:
-            self._params.collect(buf)
-            self._bns.collect(buf)
-        self._checks.collect(buf, sampled)
+        if s.sampled:
+            self._params.collect(s.buf)
+            self._bns.collect(s.buf)
+        self._checks.collect(s.buf, s.sampled)
         tensor_scalars = sorted(k for k in scalars if k not in plain)
-        info = None
-        if self._coll is None:
-            host = self._to_host()
-        else:
-            compiled = self._before_transfer()  # not in the layout: the rank's own
-            host, info = self._coll.exchange(
-                buf,
-                self._layout(sampled, tensor_scalars),
-                self._bad_bits(),
-                step,
-                digest(",".join(tensor_scalars)),
-            )
-            if compiled:
-                self._compiled.unpack(host, self._trail.flags, self._grads.order)
-                self._warn_compiled_per_rank()
-        record = StepRecord(step, time.time(), sampled, self._model.training)
+        host, info = self._transfer(s, tensor_scalars)
+        record = StepRecord(step, time.time(), s.sampled, self._model.training)
         record.scalars = {k: host[("scalar", k)][0] / self._world for k in tensor_scalars}
         record.scalars.update(plain)
-        record.scalars.update(self._learning_rates())
-        if sampled:
-            self._grads.unscale(record.scalars.get("grad_scale"))
+        record.scalars.update(self._optim.learning_rates())
+        scale = record.scalars.get("grad_scale")
+        if s.sampled:
+            self._grads.unscale(scale)
             probes = (self._acts, self._grads, self._params, self._bns, self._precision)
             for probe in (*probes, self._attention):
                 if probe is not None:
                     probe.read(host, record)
-        found = []
-        if self._nonfinite is None:
-            if info is None:
-                self._nonfinite = self._localised(host, step)
-            else:
-                self._nonfinite = self._agreed(host, info)
-            scale = record.scalars.get("grad_scale")
-            if self._nonfinite is not None and self._heard.scalers_overflow(self._nonfinite, scale):
-                self._heard.scaler_cause, self._nonfinite = self._nonfinite, None
-            if self._nonfinite is not None:
-                found += self._with_overflow(self._nonfinite)
-        poisoned = None
-        if self._nonfinite is not None and not self._skipped:  # the update went ahead
-            poisoned = self._poison.after_update(self._nonfinite, step)
-        updates = self._updates - self._skipped
-        found += self._diagnosis.training_step(step, record.scalars, updates=updates)
-        if sampled:
-            self.graph = Graph(
-                frozenset(self._trail.edges), frozenset(self._trail.detached | self._dead_ends())
-            )
+        found, poisoned = self._decision.at_step(s, host, info, step, self.findings, scale)
+        found += self._diagnosis.training_step(step, record.scalars, updates=s.updates - s.skipped)
+        if s.sampled:
+            self.graph = s.graph()
             found += self._diagnosis.sampled(step, record, self.graph)
         self._write(record.to_dict())
-        if sampled:
-            self._warn_if_unhooked(step)
+        if s.sampled:
+            self._warnings.unhooked(s, step, type(self._model).__name__)
         spike = self._spikes.observe(step, record.scalars, host)
         if spike is not None:
             self._write(asdict(spike.window))
@@ -669,42 +640,61 @@ class Monitor:
             if self._skip is not None:
                 self._skip.add(step, spike.finding.value, batch_list(batch_indices))
         found += self._checks.read(host, record)  # after the step: its eval record follows
-        new = self._report(found, before_update=self._updates == 0)
+        new = self._report(found, before_update=s.updates == 0)
         for done in self._diagnosis.cleared():
             self.findings = mark_cleared(self.findings, done)
             self._write(asdict(Cleared.of(done)))
         if poisoned is not None:  # its own finding, also where its cause named the same module
             new += self._report([poisoned], before_update=False, always=True)
-        if self._heard.scaler_skips:
-            scale = record.scalars.get("grad_scale")
-            self._write_event("skipped_step", self._heard.skip_message(step, scale))
-        elif self._optim.adopted and self._updates == self._skipped == 0 and self._trail.flags:
-            self._write_event(
-                "skipped_step",
-                f"step {step}: optimizer.step() did not run (e.g. GradScaler skipped it after "
-                "finding Inf/NaN gradients)",
-            )
-        nonfinite, early = self._nonfinite, self._early
+        skipped = s.skip_message(step, scale, adopted=bool(self._optim.adopted))
+        if skipped is not None:
+            self._write_event("skipped_step", skipped)
         self._end_step()
-        if self.on_nonfinite == "raise" and nonfinite is not None and nonfinite in new:
-            raise self._error(nonfinite)
-        return early + new
+        if self.on_nonfinite == "raise" and s.nonfinite is not None and s.nonfinite in new:
+            raise nonfinite_error(s.nonfinite)
+        return s.early + new
+
+    def _transfer(self, s: StepState, tensor_scalars: list[str]) -> tuple[Host, RankInfo | None]:
+        """The step's buffer on the host; under ``torch.distributed``, from the step's one
+        collective, with what it told of every rank."""
+        if self._coll is None:
+            return self._to_host(), None
+        compiled = self._before_transfer()  # not in the layout: the rank's own
+        host, info = self._coll.exchange(
+            s.buf,
+            self._coll.layout(s.sampled, tensor_scalars, self._probe_layout),
+            self._decision.bad_bits(s),
+            self.step_count,
+            digest(",".join(tensor_scalars)),
+        )
+        if compiled:
+            self._compiled.unpack(host, s.trail.flags, self._grads.order)
+            self._warnings.compiled_per_rank()
+        return host, info
+
+    def _probe_layout(self, rank: int) -> list[Entry]:
+        """What the probes put in a sampled step's collective."""
+        layout = self._acts.layout(rank) + self._grads.layout()
+        layout += self._params.layout(rank) + self._bns.layout(rank)
+        if self._precision is not None:
+            layout += self._precision.layout()
+        return layout + self._attention.layout() + self._checks.layout(rank)
 
     def _to_host(self) -> Host:
         """The step's buffer on the host, with what compiled graphs measured in it."""
         self._before_transfer()
-        host = self._buf.to_host()
-        self._compiled.unpack(host, self._trail.flags, self._grads.order)
+        host = self._now.buf.to_host()
+        self._compiled.unpack(host, self._now.trail.flags, self._grads.order)
         return host
 
     def _before_transfer(self) -> bool:
         """Ready the buffer for a transfer (an update's early one too): only the top channels
         move, and what compiled graphs measured joins it. True when a compiled graph ran."""
         self._tape_compiled_root()
-        if self.sampled:
-            self._acts.collect(self._buf)
+        if self._now.sampled:
+            self._acts.collect(self._now.buf)
         compiled = self._compiled.ran
-        self._compiled.drain(self._buf)
+        self._compiled.drain(self._now.buf)
         return compiled
 
     def _tape_compiled_root(self) -> None:
@@ -717,143 +707,6 @@ class Monitor:
         self._wrapper_taped = True
         for wrapper in compiled_wrappers(self._model):
             self._tape.tape_wrapper(wrapper)
-
-    def _warn_compiled_per_rank(self) -> None:
-        """Never silent: what compiled graphs measure is not combined across ranks yet."""
-        if self._warned_compiled:
-            return
-        self._warned_compiled = True
-        warnings.warn(
-            "hookscope: Monitor: the model runs compiled under torch.distributed: the "
-            "activation and output-gradient statistics measured inside the compiled graph are "
-            "this rank's own (not combined across ranks, as eager ones are), and a NaN/Inf "
-            "found there is localised on this rank only (on_nonfinite='raise'/'skip' decide "
-            "per rank). Parameter statistics, the loss and the checks are combined as usual. "
-            "For combined figures, watch an eager twin.",
-            HookscopeWarning,
-            stacklevel=3,
-        )
-
-    def _warn_if_unhooked(self, step: int) -> None:
-        """Never silent: a step that ran a backward pass and updated the model, while none of
-        the Monitor's hooks on its modules ran, has no activation or output-gradient records
-        and no non-finite check of them; say so once, with the likely cause."""
-        if self._hooks_ran or not self._backward_ran or not self._updates:
-            return
-        if self._warned_unhooked:
-            return
-        self._warned_unhooked = True
-        warnings.warn(
-            f"hookscope: Monitor: at step {step}, {type(self._model).__name__} was trained "
-            "(a backward pass and an optimizer step) but none of the Monitor's hooks on its "
-            "modules ran: no activation or output-gradient statistics, and no NaN/Inf check "
-            "of them. The likely cause: a graph that torch.compile built before the Monitor "
-            "was attached runs the model without its hooks (a compiled function that calls "
-            "the model, say). Fix: attach the Monitor before the first compiled call, or call "
-            "torch._dynamo.reset() after attaching it (everything compiles again once). "
-            "Or the model is run through `.forward(...)`, which skips every hook: call the "
-            "model itself.",
-            HookscopeWarning,
-            stacklevel=3,
-        )
-
-    def _layout(self, sampled: bool, scalars: list[str]) -> list[Entry]:
-        """What the step's collective carries, in an order every rank derives alike."""
-        key = (sampled, tuple(scalars))
-        layout = self._layouts.get(key)
-        if layout is None:
-            rank = self._coll.rank
-            # The scalars the Monitor finds itself always have a slot: a clip_grad_norm_
-            # run on some ranks only then gets a clear error, not collectives of two sizes.
-            names = sorted({*scalars, *FOUND_SCALARS})
-            layout = [Entry(("scalar", k), 1, "sum") for k in names]
-            if sampled:
-                layout += self._acts.layout(rank) + self._grads.layout()
-                layout += self._params.layout(rank) + self._bns.layout(rank)
-                if self._precision is not None:
-                    layout += self._precision.layout()
-                layout += self._attention.layout()
-                layout += self._checks.layout(rank)
-            layout = self._layouts[key] = layout
-        return layout
-
-    def _bad_bits(self) -> torch.Tensor:
-        flags = [(("flag", i), flag.phase) for i, flag in enumerate(self._trail.flags)]
-        return self._coll.bad_bits(self._buf, flags)
-
-    def _agreed(self, host: Host, info: RankInfo) -> Finding | None:
-        """The non-finite finding every rank agrees on: the rank where the value first
-        went bad localises (and traces) it and hands it to the others."""
-        rank = info.origin()
-        if rank is None:
-            return None
-        finding = None
-        if self._coll.rank == rank:
-            finding = self._localised(host, self.step_count)
-            if finding is not None:
-                finding = dataclasses.replace(
-                    finding,
-                    rank=rank,
-                    message=f"{finding.message} (on rank {rank} of {self._coll.world})",
-                )
-        return self._coll.broadcast(finding, rank)
-
-    def _localised(self, host: Host, step: int) -> Finding | None:
-        """This step's non-finite finding, traced to its op; or, where the first NaN/Inf is
-        only weights that an earlier update made non-finite, the one finding saying so
-        (nothing new at every later step)."""
-        finding = self._trail.localise(host, step)
-        if finding is None:
-            return None
-        last = max((f.step for f in self.findings if f.kind == "nonfinite"), default=None)
-        poisoned = self._poison.consequence(finding, step, last)
-        return poisoned if poisoned is not None else self._traced(finding)
-
-    def _traced(self, finding: Finding | None) -> Finding | None:
-        """``finding`` with the op, phase and source line from a replay of this step under
-        an op-level tracer (first time only: the replay costs about one training step)."""
-        if finding is None or not self._tape.calls or not self._diagnosis.is_new(finding):
-            return finding
-        if not self._can_trace:
-            return finding
-        self._tape.paused = True
-        try:
-            with eager_calls():  # a compiled model is replayed op by op
-                origin = trace(self._model, self._tape.calls, suspect=finding.module)
-        finally:
-            self._tape.paused = False
-        if origin is not None:
-            return origin.refine(finding)
-        if self._light and not self._sampled_now:  # only the model's edges were flagged
-            flagged = self._flagged_replay(finding.step)
-            if flagged is not None:
-                return flagged
-            self._light = False  # no replay finds it: flag every module from now on
-        return finding
-
-    def _flagged_replay(self, step: int) -> Finding | None:
-        """Where the op tracer names no op (the data itself was NaN, say): replay the step
-        with every watched module flagged, as on a sampled step, and localise from those."""
-        kept = self._trail, self._buf
-        self._trail, self._buf, self._light, self._flagging = (
-            NonFiniteTrail(),
-            StepBuffer(),
-            False,
-            True,
-        )
-        self._tape.paused = True  # the tape keeps no call of the replay
-        try:
-            with eager_calls(), contextlib.closing(replay(self._model, self._tape.calls)) as runs:
-                for _, backward in runs:
-                    backward()
-            return self._trail.localise(self._buf.to_host(), step)
-        finally:
-            self._trail, self._buf = kept
-            self._light, self._flagging, self._tape.paused = True, False, False
-
-    def _with_overflow(self, nonfinite: Finding) -> list[Finding]:
-        overflow = self._diagnosis.overflow(nonfinite)
-        return [nonfinite] if overflow is None else [overflow, nonfinite]
 
     def _report(
         self, found: list[Finding], *, before_update: bool, always: bool = False
@@ -886,61 +739,17 @@ class Monitor:
         )
         self._write_event("recorded", f"replay bundle for the {finding.kind} finding: {path}")
 
-    def _error(self, finding: Finding) -> NonFiniteError:
-        return NonFiniteError(
-            finding.message,
-            module=finding.module,
-            step=finding.step,
-            phase=finding.phase,
-            op=finding.op,
-            source=finding.source,
-            rank=finding.rank,
-        )
-
-    def _dead_ends(self) -> set[str]:
-        """Modules whose output needed a gradient and got none although backward ran, and
-        that neither a container returned nor fed a module whose output was returned: their
-        result went on detached (or was thrown away)."""
-        if not self._got_grad:
-            return set()
-        live = {n for n, ptrs in self._made.items() if ptrs & self._returned}
-        feeds: dict[str, set[str]] = {}
-        for producer, consumer in self._trail.edges:
-            feeds.setdefault(consumer, set()).add(producer)
-        todo = [n for n in self._made if n in self._got_grad] + list(live)
-        live.update(todo)
-        while todo:  # whatever fed a live module is live
-            for producer in feeds.get(todo.pop(), ()):
-                if producer not in live:
-                    live.add(producer)
-                    todo.append(producer)
-        return {n for n in self._made if n not in live}
-
-    def _learning_rates(self) -> dict[str, float]:
-        optimizers = self._optim.optimizers
-        single = len(optimizers) == 1 and len(optimizers[0].param_groups) == 1
-        return {
-            "lr" if single else f"lr/{i}.{j}": float(group["lr"])
-            for i, opt in enumerate(optimizers)
-            for j, group in enumerate(opt.param_groups)
-        }
+    def _new_state(self) -> StepState:
+        sampled = self.sampled
+        return StepState(sampled=sampled, light=self._decision.light and not sampled)
 
     def _end_step(self) -> None:
-        self._buf = StepBuffer()
-        self._trail.reset()
         self._tape.reset()
         self._grads.reset()
         self._params.reset()
         self._optim.reset()
-        self._no_grad_names.clear()
-        self._made, self._got_grad, self._returned = {}, set(), set()
-        self._updates = self._skipped = 0
-        self._nonfinite = None
-        self._early = []
-        self._heard = Heard()
-        self._hooks_ran = self._backward_ran = False
         self.step_count += 1
-        self._sampled_now = self.sampled
+        self._now = self._new_state()
 
     # -- records and lifetime ----------------------------------------------------------------
     def log(self, type: str, **fields: Any) -> None:

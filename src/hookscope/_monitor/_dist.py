@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +117,7 @@ class Collective:
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
+        self._layouts: dict[tuple[bool, tuple[str, ...]], list[Entry]] = {}
 
     def handshake(self, description: str) -> None:
         """Check that every rank built a Monitor on the same model with the same settings;
@@ -140,6 +141,23 @@ class Collective:
                 "other settings (modules, parameters or options differ). Build the same "
                 "Monitor on every rank, after wrapping the model the same way."
             )
+
+    def layout(
+        self, sampled: bool, scalars: Sequence[str], probes: Callable[[int], list[Entry]]
+    ) -> list[Entry]:
+        """What the step's collective carries, in an order every rank derives alike: the
+        tensor scalars, ``FOUND_SCALARS`` always among them (a ``clip_grad_norm_`` run on
+        some ranks only then gets a clear error, not collectives of two sizes), and on sampled
+        steps ``probes(rank)``, the probes' entries. Made once per kind of step."""
+        key = (sampled, tuple(scalars))
+        layout = self._layouts.get(key)
+        if layout is None:
+            names = sorted({*scalars, *FOUND_SCALARS})
+            layout = [Entry(("scalar", k), 1, "sum") for k in names]
+            if sampled:
+                layout += probes(self.rank)
+            self._layouts[key] = layout
+        return layout
 
     def bad_bits(self, buf: StepBuffer, phases: Sequence[tuple[Hashable, str]]) -> torch.Tensor:
         """This rank's (forward, backward, param) non-finite bits, on the device."""

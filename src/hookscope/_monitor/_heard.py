@@ -80,7 +80,7 @@ class Ears:
         # losses backpropagated before it (a GAN's other phase) are not this step's.
         fresh = all(p.grad is None for p in m._params.params.values())
         if not m._tape.paused:
-            m._backward_ran = True
+            m._now.backward_ran = True
         if m._checks is not None and not m._tape.paused:
             m._checks.before_backward()
         return m._grad_calls, fresh
@@ -90,7 +90,7 @@ class Ears:
         calls, fresh = token
         if loss is None or m._grad_calls == calls or m._tape.paused:
             return  # it did not reach the model, or it is a replay of ours
-        heard = m._heard
+        heard = m._now.heard
         heard.loss = (
             loss if fresh or heard.loss is None else heard.loss + loss.to(heard.loss.device)
         )
@@ -100,13 +100,13 @@ class Ears:
         when that backward pass reached the model."""
         m = self.monitor
         if m._grad_calls != token[0] and not m._tape.paused:
-            m._heard.scale = scale
+            m._now.heard.scale = scale
 
     def scaler_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """GradScaler skipped ``optimizer.step()`` (Inf/NaN gradients): the step's one
         ``skipped_step`` event says so, with the scale."""
         if self._concerns([p for g in optimizer.param_groups for p in g["params"]]):
-            self.monitor._heard.scaler_skips.append(optimizer)
+            self.monitor._now.heard.scaler_skips.append(optimizer)
 
     def before_clip(self, params: list[torch.Tensor]) -> None:
         if self._concerns(params):
@@ -114,7 +114,7 @@ class Ears:
 
     def clipped(self, params: list[torch.Tensor], total_norm: torch.Tensor, p: float) -> None:
         if self._concerns(params):
-            self.monitor._heard.clip_norms.append((total_norm.detach(), p))
+            self.monitor._now.heard.clip_norms.append((total_norm.detach(), p))
 
     def _concerns(self, params: list[torch.Tensor]) -> bool:
         owned = self.monitor._params._name

@@ -61,7 +61,7 @@ class Flag:
 
 
 class NonFiniteTrail:
-    """Flags of the current step, in the order their hooks ran."""
+    """Flags of one step, in the order their hooks ran (a new trail each step)."""
 
     def __init__(self) -> None:
         self.flags: list[Flag] = []
@@ -72,13 +72,6 @@ class NonFiniteTrail:
         self.edges: set[tuple[str, str]] = set()  # (producer, consumer) modules
         self.detached: set[str] = set()  # producers whose output a consumer got detached
         self._storage: dict[int, str] = {}  # data_ptr of each output -> module that made it
-
-    def reset(self) -> None:
-        self.flags.clear()
-        self._made_by.clear()
-        self.edges = set()
-        self.detached = set()
-        self._storage.clear()
 
     def forward(
         self,

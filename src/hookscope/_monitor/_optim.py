@@ -77,6 +77,17 @@ class OptimizerWatch:
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return [opt for ref in self.adopted if (opt := ref()) is not None]
 
+    def learning_rates(self) -> dict[str, float]:
+        """Each parameter group's learning rate: ``lr`` when there is one group in all,
+        ``lr/{optimizer}.{group}`` otherwise."""
+        optimizers = self.optimizers
+        single = len(optimizers) == 1 and len(optimizers[0].param_groups) == 1
+        return {
+            "lr" if single else f"lr/{i}.{j}": float(group["lr"])
+            for i, opt in enumerate(optimizers)
+            for j, group in enumerate(opt.param_groups)
+        }
+
     def _names(self, opt: torch.optim.Optimizer) -> list[str]:
         cached = self._cache.get(id(opt))
         if cached is not None and cached[0]() is opt and cached[1] == len(opt.param_groups):

@@ -1,0 +1,195 @@
+"""The non-finite decision: where a step's first NaN/Inf arose, as precisely as can be told.
+
+The trail's flags (``_nonfinite.py``) name the module whose output or gradient went bad
+first. The first time a finding is seen, a replay of the step under the op tracer
+(``_trace.py``) adds the op, the phase and the source line. On unsampled steps only the
+model's edges are flagged; where the tracer names no op (the data itself was NaN, say), the
+step is replayed once more with every watched module flagged, and where that finds nothing
+either, every module is flagged from then on. Weights that an earlier update made
+non-finite are one finding, not a new one at every later step (``_poisoned.py``). Under
+``torch.distributed``, the rank where the value first went bad localises it and hands the
+finding to the others, so that every rank decides alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+from .._diagnose import Diagnosis, Finding
+from .._errors import NonFiniteError
+from .._hooks import eager_calls
+from ._buffer import Host
+from ._dist import Collective, RankInfo
+from ._poisoned import PoisonedWeights
+from ._step import StepState
+from ._trace import Tape, replay, trace
+
+__all__ = ["NonFiniteDecision", "nonfinite_error"]
+
+
+class NonFiniteDecision:
+    """Turns a step's non-finite flags into its one ``nonfinite`` finding.
+
+    ``flagged()`` is the Monitor's: a context manager in which its hooks write into a fresh
+    :class:`StepState` that flags every watched module, which it yields. ``sharded``: some
+    parameters are sharded (FSDP2), so that a replay on one rank cannot run the model.
+    ``root_watched``: the model itself is a watched module (it has no children)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tape: Tape,
+        diagnosis: Diagnosis,
+        params: dict[str, nn.Parameter],
+        coll: Collective | None,
+        *,
+        sharded: bool,
+        root_watched: bool,
+        flagged: Callable[[], AbstractContextManager[StepState]],
+    ) -> None:
+        self._model, self._tape, self._diagnosis, self._coll = model, tape, diagnosis, coll
+        self._flagged = flagged
+        self.poison = PoisonedWeights(params)
+        # A replay runs the model's forward on one rank: never where that needs the others
+        # (FSDP2 gathers its shards, SyncBatchNorm its statistics).
+        self.can_trace = not sharded and not any(
+            isinstance(m, nn.SyncBatchNorm) for m in model.modules()
+        )
+        # Unsampled steps: the flags at the model's edges (its inputs and outputs, the gradient
+        # reaching them, the parameters' gradients) find a NaN/Inf, and a replay of the step
+        # finds its module and op; a module call costs next to nothing. Where no replay can
+        # (several ranks, or a replay that found nothing), every module output is flagged.
+        self.light = self.can_trace and coll is None and not root_watched
+
+    def localised(
+        self, state: StepState, host: Host, step: int, findings: list[Finding]
+    ) -> Finding | None:
+        """This step's non-finite finding, traced to its op; or, where the first NaN/Inf is
+        only weights that an earlier update made non-finite, the one finding saying so
+        (nothing new at every later step). ``findings``: every finding so far."""
+        finding = state.trail.localise(host, step)
+        if finding is None:
+            return None
+        last = max((f.step for f in findings if f.kind == "nonfinite"), default=None)
+        poisoned = self.poison.consequence(finding, step, last)
+        return poisoned if poisoned is not None else self._traced(state, finding)
+
+    def bad_bits(self, state: StepState) -> torch.Tensor:
+        """This rank's bits for the collective: a NaN/Inf in its forward pass, its backward
+        pass, its parameters' gradients."""
+        flags = [(("flag", i), flag.phase) for i, flag in enumerate(state.trail.flags)]
+        return self._coll.bad_bits(state.buf, flags)
+
+    def agreed(
+        self, state: StepState, host: Host, info: RankInfo, step: int, findings: list[Finding]
+    ) -> Finding | None:
+        """The non-finite finding every rank agrees on: the rank where the value first
+        went bad localises (and traces) it and hands it to the others."""
+        rank = info.origin()
+        if rank is None:
+            return None
+        finding = None
+        if self._coll.rank == rank:
+            finding = self.localised(state, host, step, findings)
+            if finding is not None:
+                finding = dataclasses.replace(
+                    finding,
+                    rank=rank,
+                    message=f"{finding.message} (on rank {rank} of {self._coll.world})",
+                )
+        return self._coll.broadcast(finding, rank)
+
+    def agreed_now(self, state: StepState, step: int, findings: list[Finding]) -> Finding | None:
+        """:meth:`agreed` before an update, from the flags alone: a tiny collective, so that
+        every rank takes the same decision there."""
+        info = self._coll.agree_bad(self.bad_bits(state), step)
+        host = state.buf.to_host(only=lambda key: key[0] == "flag")
+        return self.agreed(state, host, info, step, findings)
+
+    def at_step(
+        self,
+        state: StepState,
+        host: Host,
+        info: RankInfo | None,
+        step: int,
+        findings: list[Finding],
+        scale: float | None,
+    ) -> tuple[list[Finding], Finding | None]:
+        """At the end of the step: its non-finite findings unless they were made before its
+        update (an overflow that GradScaler skipped the step for is the scaler's business: no
+        finding), and the finding for the weights its update made non-finite, if it did.
+        ``info``: what the step's collective told of every rank (``None``: one process)."""
+        found = []
+        if state.nonfinite is None:
+            if info is None:
+                state.nonfinite = self.localised(state, host, step, findings)
+            else:
+                state.nonfinite = self.agreed(state, host, info, step, findings)
+            if state.nonfinite is not None and state.heard.scalers_overflow(state.nonfinite, scale):
+                state.heard.scaler_cause, state.nonfinite = state.nonfinite, None
+            if state.nonfinite is not None:
+                found = self.with_overflow(state.nonfinite)
+        poisoned = None
+        if state.nonfinite is not None and not state.skipped:  # the update went ahead
+            poisoned = self.poison.after_update(state.nonfinite, step)
+        return found, poisoned
+
+    def with_overflow(self, nonfinite: Finding) -> list[Finding]:
+        """``nonfinite``, after the exploding gradient it is the consequence of, if any."""
+        overflow = self._diagnosis.overflow(nonfinite)
+        return [nonfinite] if overflow is None else [overflow, nonfinite]
+
+    def _traced(self, state: StepState, finding: Finding) -> Finding:
+        """``finding`` with the op, phase and source line from a replay of this step under
+        an op-level tracer (first time only: the replay costs about one training step)."""
+        if not self._tape.calls or not self._diagnosis.is_new(finding) or not self.can_trace:
+            return finding
+        self._tape.paused = True
+        try:
+            with eager_calls():  # a compiled model is replayed op by op
+                origin = trace(self._model, self._tape.calls, suspect=finding.module)
+        finally:
+            self._tape.paused = False
+        if origin is not None:
+            return origin.refine(finding)
+        if state.light:  # only the model's edges were flagged
+            flagged = self._flagged_replay(finding.step)
+            if flagged is not None:
+                return flagged
+            self.light = state.light = False  # no replay finds it: flag every module now on
+        return finding
+
+    def _flagged_replay(self, step: int) -> Finding | None:
+        """Where the op tracer names no op (the data itself was NaN, say): replay the step
+        with every watched module flagged, as on a sampled step, and localise from those."""
+        self._tape.paused = True  # the tape keeps no call of the replay
+        try:
+            with (
+                self._flagged() as state,
+                eager_calls(),
+                contextlib.closing(replay(self._model, self._tape.calls)) as runs,
+            ):
+                for _, backward in runs:
+                    backward()
+                return state.trail.localise(state.buf.to_host(), step)
+        finally:
+            self._tape.paused = False
+
+
+def nonfinite_error(finding: Finding) -> NonFiniteError:
+    """The error ``on_nonfinite="raise"`` raises for ``finding``."""
+    return NonFiniteError(
+        finding.message,
+        module=finding.module,
+        step=finding.step,
+        phase=finding.phase,
+        op=finding.op,
+        source=finding.source,
+        rank=finding.rank,
+    )

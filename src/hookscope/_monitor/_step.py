@@ -1,0 +1,96 @@
+"""One training step as the Monitor's hooks see it: what they write while the step runs.
+
+The Monitor holds one :class:`StepState` and starts a new one when ``step()`` ends, so that
+nothing of a step outlives it. A replay of the step with every module flagged
+(``_decide.py``) runs the same hooks into a state of its own, which the Monitor swaps in for
+the replay and out after it: the replay leaves the step's state as it found it.
+"""
+
+from __future__ import annotations
+
+from .._diagnose import Finding, Graph
+from ._buffer import StepBuffer
+from ._heard import Heard
+from ._nonfinite import NonFiniteTrail
+
+__all__ = ["StepState"]
+
+
+class StepState:
+    """What the hooks gathered this step: the device tensors for the step's one transfer,
+    the non-finite trail, which outputs needed and got a gradient, the updates that ran, the
+    step's non-finite finding once made and what was heard of the script's calls."""
+
+    __slots__ = (
+        "backward_ran",
+        "buf",
+        "early",
+        "flagging",
+        "got_grad",
+        "heard",
+        "hooks_ran",
+        "light",
+        "made",
+        "no_grad_names",
+        "nonfinite",
+        "returned",
+        "sampled",
+        "skipped",
+        "trail",
+        "updates",
+    )
+
+    def __init__(self, *, sampled: bool, light: bool, flagging: bool = False) -> None:
+        self.sampled = sampled  # the step collects statistics
+        self.light = light  # only the model's edges are flagged (a replay localises)
+        self.flagging = flagging  # a replay of the step, every watched module flagged
+        self.buf = StepBuffer()
+        self.trail = NonFiniteTrail()
+        self.heard = Heard()  # the loss, loss scale, clips (``_heard.py``)
+        self.made: dict[str, set[int]] = {}  # sampled steps: outputs needing a gradient
+        self.got_grad: set[str] = set()  # modules whose output gradient arrived
+        self.returned: set[int] = set()  # outputs that a container returned
+        self.no_grad_names: set[str] = set()  # modules that ran without autograd
+        self.updates = 0  # optimizer updates that ran
+        self.skipped = 0  # of those, skipped for a NaN/Inf (``on_nonfinite="skip"``)
+        self.nonfinite: Finding | None = None  # the step's non-finite finding, once found
+        self.early: list[Finding] = []  # findings reported before the update
+        # Did any hook on the model run, did a backward pass run? (A compiled graph from
+        # before the hooks runs the model without them.)
+        self.hooks_ran = self.backward_ran = False
+
+    def graph(self) -> Graph:
+        """Which watched module fed which, and which ones' outputs went on detached."""
+        detached = self.trail.detached | self.dead_ends()
+        return Graph(frozenset(self.trail.edges), frozenset(detached))
+
+    def dead_ends(self) -> set[str]:
+        """Modules whose output needed a gradient and got none although backward ran, and
+        that neither a container returned nor fed a module whose output was returned: their
+        result went on detached (or was thrown away)."""
+        if not self.got_grad:
+            return set()
+        live = {n for n, ptrs in self.made.items() if ptrs & self.returned}
+        feeds: dict[str, set[str]] = {}
+        for producer, consumer in self.trail.edges:
+            feeds.setdefault(consumer, set()).add(producer)
+        todo = [n for n in self.made if n in self.got_grad] + list(live)
+        live.update(todo)
+        while todo:  # whatever fed a live module is live
+            for producer in feeds.get(todo.pop(), ()):
+                if producer not in live:
+                    live.add(producer)
+                    todo.append(producer)
+        return {n for n in self.made if n not in live}
+
+    def skip_message(self, step: int, scale: float | None, adopted: bool) -> str | None:
+        """The step's ``skipped_step`` event, if its update did not run: GradScaler skipped
+        it, or an adopted optimizer did not step although the step ran (the flags say so)."""
+        if self.heard.scaler_skips:
+            return self.heard.skip_message(step, scale)
+        if adopted and self.updates == self.skipped == 0 and self.trail.flags:
+            return (
+                f"step {step}: optimizer.step() did not run (e.g. GradScaler skipped it after "
+                "finding Inf/NaN gradients)"
+            )
+        return None

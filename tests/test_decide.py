@@ -1,0 +1,104 @@
+"""The non-finite decision (``_monitor/_decide.py``), driven with the step state a Monitor's
+hooks wrote: a replay with every module flagged where only the model's edges were, that
+leaves the step's own state alone; every module flagged from then on where no replay finds
+the value; the weights an update made non-finite, once the step's update went ahead."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import hookscope as hs
+from hookscope._diagnose import Finding
+from hookscope._monitor._decide import nonfinite_error
+from models import ResNet, images
+
+
+def passes(model: nn.Module, x: torch.Tensor) -> None:
+    nn.functional.cross_entropy(model(x), torch.arange(len(x)) % 10).backward()
+
+
+def test_a_nan_in_the_batch_is_named_by_a_flagged_replay_that_leaves_the_step_alone() -> None:
+    model = ResNet()
+    x = images()
+    x[1, 0, 3, 3] = math.nan
+    with hs.Monitor(model, every=None) as mon:
+        passes(model, x)
+        state, decision = mon._now, mon._decision
+        assert state.light  # unsampled: only the model's edges were flagged
+        flags = list(state.trail.flags)
+        assert {f.module for f in flags if f.phase != "param"} == {""}
+        finding = decision.localised(state, state.buf.to_host(), 0, [])
+        # The replay's hooks wrote into a state of their own.
+        assert mon._now is state and state.trail.flags == flags
+    # The edges alone say "the model's inputs"; the flagged replay names the first module.
+    assert (finding.module, finding.phase, finding.op) == ("conv1", "forward", None)
+    assert "inputs of 'conv1' were already NaN/Inf" in finding.message
+    assert decision.light  # the replay found it: unsampled steps stay light
+
+
+def test_a_nan_no_replay_reproduces_makes_every_module_flagged_from_then_on() -> None:
+    model = ResNet()
+    faults = [0, 1]  # the steps whose forward a NaN hits once, replays of them not
+
+    def spoil(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        if faults and faults[0] == mon.step_count:
+            faults.pop(0)
+            return torch.cat([output[:, :1], torch.full_like(output[:, 1:], math.nan)], 1)
+        return None
+
+    model.fc.register_forward_hook(spoil)  # before the Monitor's own hooks
+    with hs.Monitor(model, every=None) as mon:
+        named = []
+        for _ in range(2):
+            model(images())[:, 0].sum().backward()  # the loss never sees the NaN
+            light = mon._now.light
+            found = [f for f in mon.step() if f.kind == "nonfinite"]
+            named.append((light, found[0].module if found else None))
+        assert mon._decision.light is False and mon._now.light is False
+    # Step 0: only the edges were flagged, and no replay finds the value: the model's output
+    # is named. Step 1: every module is flagged, and the module is named.
+    assert named == [(True, ""), (False, "fc")]
+
+
+def test_the_weights_an_update_made_non_finite_are_found_after_it() -> None:
+    model = ResNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with hs.Monitor(model, every=1) as mon:
+        passes(model, images())
+        model.fc.weight.grad[0, 0] = math.nan
+        opt.step()  # found before the update (on_nonfinite="log"), which still runs
+        state = mon._now
+        assert (state.nonfinite.module, state.nonfinite.phase) == ("fc", "backward")
+        assert state.early == [state.nonfinite] == mon.findings
+        found, poisoned = mon._decision.at_step(state, state.buf.to_host(), None, 0, [], None)
+    assert found == []  # made before the update, and reported there
+    assert (poisoned.module, poisoned.phase, poisoned.step) == ("fc", "update", 0)
+    assert "1 of 32 parameters hold NaN/Inf ('fc.weight')" in poisoned.message
+
+
+def test_the_error_carries_every_field_of_its_finding() -> None:
+    finding = Finding(
+        "nonfinite",
+        "layer1.0.conv2",
+        3,
+        math.inf,
+        "forward: aten.exp in 'layer1.0.conv2' made Inf from finite inputs",
+        phase="forward",
+        op="aten.exp",
+        source="model.py:42",
+        rank=1,
+    )
+    error = nonfinite_error(finding)
+    assert isinstance(error, hs.NonFiniteError)
+    assert (error.module, error.step, error.phase, error.op, error.source, error.rank) == (
+        "layer1.0.conv2",
+        3,
+        "forward",
+        "aten.exp",
+        "model.py:42",
+        1,
+    )
+    assert str(error).startswith(finding.message)
