@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds, mark_cleared
-from .._hooks import HookSet, compiled_wrappers, eager_model, in_backward_recompute
+from .._hooks import HookSet, eager_model, in_backward_recompute
 from .._log import LOG_NAME, Cleared, Event, Header, StepRecord
 from .._select import Where, select
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
@@ -48,8 +48,7 @@ from ._options import (
     check_options,
     device_of,
     is_leaf,
-    scalar_number,
-    scalar_tensor,
+    split_scalars,
     thresholds_from,
 )
 from ._precision import Precision
@@ -232,7 +231,6 @@ class Monitor:
         self._sinks: list[Sink] = [self._memory, *sinks]
         self._grad_calls = 0  # output gradients seen: did a backward pass reach the model?
         self._warnings = Warnings()
-        self._wrapper_taped = False
         self._listener = Ears(self)
         self._stop_listening = lambda: None
         self._checks: Checks | None = None
@@ -601,18 +599,14 @@ class Monitor:
         """
         check_batch_indices(batch_indices)
         s, step = self._now, self.step_count
-        scalars = {**s.heard.scalars(), **scalars}
-        plain: dict[str, float] = {}
-        for key, value in scalars.items():
-            if isinstance(value, torch.Tensor):
-                s.buf.set(("scalar", key), scalar_tensor(key, value))
-            else:
-                plain[key] = scalar_number(key, value)
+        given, plain = split_scalars({**s.heard.scalars(), **scalars})
+        for key, value in given.items():
+            s.buf.set(("scalar", key), value)
         if s.sampled:
             self._params.collect(s.buf)
             self._bns.collect(s.buf)
         self._checks.collect(s.buf, s.sampled)
-        tensor_scalars = sorted(k for k in scalars if k not in plain)
+        tensor_scalars = sorted(given)
         host, info = self._transfer(s, tensor_scalars)
         record = StepRecord(step, time.time(), s.sampled, self._model.training)
         record.scalars = {k: host[("scalar", k)][0] / self._world for k in tensor_scalars}
@@ -690,23 +684,13 @@ class Monitor:
     def _before_transfer(self) -> bool:
         """Ready the buffer for a transfer (an update's early one too): only the top channels
         move, and what compiled graphs measured joins it. True when a compiled graph ran."""
-        self._tape_compiled_root()
+        if self._compiled.ran:
+            self._tape.tape_wrappers(self._model)
         if self._now.sampled:
             self._acts.collect(self._now.buf)
         compiled = self._compiled.ran
         self._compiled.drain(self._now.buf)
         return compiled
-
-    def _tape_compiled_root(self) -> None:
-        """A compiled graph ran and the tape kept no call: the root's hooks were traced into
-        the graph (a ``torch.nn`` container compiled whole). Tape its ``torch.compile``
-        wrapper instead, once: from the next step the step can be replayed (a NaN's op and
-        line) and unsampled steps flag only the model's edges (one recompile)."""
-        if self._wrapper_taped or not self._compiled.ran or self._tape.calls:
-            return
-        self._wrapper_taped = True
-        for wrapper in compiled_wrappers(self._model):
-            self._tape.tape_wrapper(wrapper)
 
     def _report(
         self, found: list[Finding], *, before_update: bool, always: bool = False

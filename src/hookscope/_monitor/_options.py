@@ -20,8 +20,7 @@ __all__ = [
     "check_options",
     "device_of",
     "is_leaf",
-    "scalar_number",
-    "scalar_tensor",
+    "split_scalars",
     "thresholds_from",
 ]
 
@@ -70,7 +69,20 @@ def device_of(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-def scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
+def split_scalars(scalars: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``step()``'s scalars, each checked: the tensors (detached, one ``float32`` element
+    each, for the step's one transfer) and the numbers."""
+    given: dict[str, torch.Tensor] = {}
+    plain: dict[str, float] = {}
+    for key, value in scalars.items():
+        if isinstance(value, torch.Tensor):
+            given[key] = _scalar_tensor(key, value)
+        else:
+            plain[key] = _scalar_number(key, value)
+    return given, plain
+
+
+def _scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
     if value.numel() != 1:
         raise ValueError(
             f"step({key}=...): a scalar must be a number or a one-element tensor, got a tensor "
@@ -79,7 +91,7 @@ def scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
     return value.detach().float().reshape(1)
 
 
-def scalar_number(key: str, value: Any) -> float:
+def _scalar_number(key: str, value: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .._diagnose import Finding
-from .._hooks import HookSet, eager_only, in_backward_recompute
+from .._hooks import HookSet, compiled_wrappers, eager_only, in_backward_recompute
 from .._tree import map_tensors, tensors
 
 __all__ = ["Call", "Origin", "Tape", "replay", "top_modules", "trace"]
@@ -103,6 +103,7 @@ class Tape:
         # eagerly, before its graph, and tape it; traced into a graph, they do nothing.
         self._hooks = hooks
         self._eager = eager_only(self._before), eager_only(self._after)
+        self._wrappers_taped = False
         for name, module in top_modules(root):
             self._tape(name, module)
 
@@ -111,11 +112,17 @@ class Tape:
         self._hooks.forward_pre(module, functools.partial(before, name), prepend=True)
         self._hooks.forward(module, functools.partial(after, name), always_call=True)
 
-    def tape_wrapper(self, wrapper: nn.Module) -> None:
-        """Also tape the calls of ``wrapper``, the ``torch.compile`` wrapper of the root, whose
-        hooks run eagerly where the root's own were traced into the graph (a ``torch.nn``
-        container compiled whole). Both taping one call: the outer one keeps it."""
-        self._tape("", wrapper)
+    def tape_wrappers(self, root: nn.Module) -> None:
+        """A compiled graph ran and the tape kept no call: the root's hooks were traced into
+        the graph (a ``torch.nn`` container compiled whole). Tape the calls of its
+        ``torch.compile`` wrappers instead, whose hooks run eagerly, once: from the next step
+        the step can be replayed (a NaN's op and line) and unsampled steps flag only the
+        model's edges (one recompile). Both taping one call: the outer one keeps it."""
+        if self._wrappers_taped or self.calls:
+            return
+        self._wrappers_taped = True
+        for wrapper in compiled_wrappers(root):
+            self._tape("", wrapper)
 
     def _before(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():  # a compiled graph is replayed eagerly, not taped
