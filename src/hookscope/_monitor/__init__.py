@@ -10,7 +10,6 @@ optimizers are found through torch's global step hooks (``_optim.py``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import json
@@ -24,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._diagnose import Diagnosis, Finding, Graph, Thresholds, mark_cleared
+from .._diagnose import Diagnosis, Finding, Graph, Thresholds
 from .._hooks import HookSet, eager_model, in_backward_recompute
-from .._log import LOG_NAME, Cleared, Event, Header, StepRecord
+from .._log import Header, StepRecord
 from .._select import Where, select
-from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
+from .._sinks import Sink
 from .._stats import Sampler
 from .._tree import tensors
 from .._version import __version__
@@ -51,6 +50,7 @@ from ._options import (
     split_scalars,
     thresholds_from,
 )
+from ._output import Output
 from ._precision import Precision
 from ._probes import Activations, BatchNorms, OutputGrads, Params
 from ._signals import SkipList, SpikeWatch
@@ -207,7 +207,6 @@ class Monitor:
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
         self.modules: dict[str, nn.Module] = select(model, where if where is not None else is_leaf)
         self._pass_through = {n for n, m in self.modules.items() if isinstance(m, PASS_THROUGH)}
-        self.findings: list[Finding] = []
         self.step_count = 0
         self._model = model
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
@@ -226,9 +225,15 @@ class Monitor:
         self.record_on = tuple(record_on)
         world = dist.get_world_size() if distributed else 1
         self._skip = None if skip_list is None else SkipList(skip_list, self.rank or 0, world)
-        self._recorded: set[str] = set()
-        self._memory = MemorySink()
-        self._sinks: list[Sink] = [self._memory, *sinks]
+        self._out = Output(  # the sinks and the findings (``_output.py``)
+            sinks,
+            self._diagnosis,
+            rank=self.rank,
+            coll=self._coll,
+            record_dir=self.record_dir,
+            record_on=self.record_on,
+            bundle=self._bundle,
+        )
         self._grad_calls = 0  # output gradients seen: did a backward pass reach the model?
         self._warnings = Warnings()
         self._listener = Ears(self)
@@ -249,7 +254,7 @@ class Monitor:
             )
             self._now = self._new_state()  # what the hooks write this step (``_step.py``)
             self._stop_listening = listen(self._listener)
-            self._open_sinks(log_dir, distributed)
+            self._out.open(log_dir)
             settings = {
                 "every": every,
                 "sample": sample,
@@ -283,7 +288,7 @@ class Monitor:
             },
             time=time.time(),
         )
-        self._write(asdict(header))
+        self._out.write(asdict(header))
 
     def _make_probes(
         self, model: nn.Module, sampler: Sampler, bins: int | None, precision: Sequence[str]
@@ -351,7 +356,7 @@ class Monitor:
                 self.modules,
                 self._params.params,
                 self._hooks,
-                self._write,
+                self._out.write,
                 # a replay, or a graph being compiled (the checks' hooks are eager-only)
                 paused=lambda: self._tape.paused or torch.compiler.is_compiling(),
                 skipping=lambda: self._now.nonfinite is not None and self.on_nonfinite == "skip",
@@ -362,16 +367,6 @@ class Monitor:
             frozen=frozen,
             replicated=replicated,
         )
-
-    def _open_sinks(self, log_dir: str | Path | None, distributed: bool) -> None:
-        """The JSON-lines log and TensorBoard (when installed) under ``log_dir``: rank 0's
-        when the ranks' figures are combined, each rank's own under ``rank<N>`` otherwise."""
-        if distributed and self._coll is None and log_dir is not None:
-            log_dir = Path(log_dir) / f"rank{self.rank}"
-        if log_dir is not None and (self._coll is None or self._coll.rank == 0):
-            self._sinks.append(JsonlSink(Path(log_dir) / LOG_NAME))
-            with contextlib.suppress(ImportError):
-                self._sinks.append(TensorBoardSink(log_dir))
 
     @property
     def sampled(self) -> bool:
@@ -545,13 +540,15 @@ class Monitor:
             else:  # every rank must take the same decision before its update
                 s.nonfinite = decision.agreed_now(s, self.step_count, self.findings)
             if s.nonfinite is not None:
-                s.early = self._report(decision.with_overflow(s.nonfinite), before_update=True)
+                found = decision.with_overflow(s.nonfinite)
+                s.early = self._out.report(found, self.step_count, before_update=True)
                 if self.on_nonfinite == "raise":
                     raise nonfinite_error(s.nonfinite)
         if s.nonfinite is None or self.on_nonfinite != "skip":
             return False
         self._bns.restore_running()
-        self._write_event(
+        self._out.event(
+            self.step_count,
             "skipped_step",
             f"step {self.step_count}: skipped the update of {type(optimizer).__name__} "
             f"(weights and optimizer state unchanged): {s.nonfinite.message}",
@@ -624,25 +621,23 @@ class Monitor:
         if s.sampled:
             self.graph = s.graph()
             found += self._diagnosis.sampled(step, record, self.graph)
-        self._write(record.to_dict())
+        self._out.write(record.to_dict())
         if s.sampled:
             self._warnings.unhooked(s, step, type(self._model).__name__)
         spike = self._spikes.observe(step, record.scalars, host)
         if spike is not None:
-            self._write(asdict(spike.window))
+            self._out.write(asdict(spike.window))
             found.append(spike.finding)
             if self._skip is not None:
                 self._skip.add(step, spike.finding.value, batch_list(batch_indices))
         found += self._checks.read(host, record)  # after the step: its eval record follows
-        new = self._report(found, before_update=s.updates == 0)
-        for done in self._diagnosis.cleared():
-            self.findings = mark_cleared(self.findings, done)
-            self._write(asdict(Cleared.of(done)))
+        new = self._out.report(found, step, before_update=s.updates == 0)
+        self._out.clear()
         if poisoned is not None:  # its own finding, also where its cause named the same module
-            new += self._report([poisoned], before_update=False, always=True)
+            new += self._out.report([poisoned], step, before_update=False, always=True)
         skipped = s.skip_message(step, scale, adopted=bool(self._optim.adopted))
         if skipped is not None:
-            self._write_event("skipped_step", skipped)
+            self._out.event(step, "skipped_step", skipped)
         self._end_step()
         if self.on_nonfinite == "raise" and s.nonfinite is not None and s.nonfinite in new:
             raise nonfinite_error(s.nonfinite)
@@ -692,28 +687,11 @@ class Monitor:
         self._compiled.drain(self._now.buf)
         return compiled
 
-    def _report(
-        self, found: list[Finding], *, before_update: bool, always: bool = False
-    ) -> list[Finding]:
-        """Keep and log the findings not seen before (``always``: all of them), record the
-        first of each chosen kind; return them."""
-        if self._coll is None and self.rank is not None:  # sync=False: this rank's own
-            found = [dataclasses.replace(f, rank=self.rank) for f in found]
-        new = [f for f in found if self._diagnosis.first_time(f) or always]
-        self.findings.extend(new)
-        for finding in new:
-            self._write({"type": "finding", **asdict(finding)})
-            here = self._coll is None or self._coll.rank == (finding.rank or 0)
-            wanted = here and self.record_dir is not None and finding.kind in self.record_on
-            if wanted and finding.kind not in self._recorded:
-                self._recorded.add(finding.kind)
-                self._record(finding, before_update)
-        return new
-
-    def _record(self, finding: Finding, before_update: bool) -> None:
+    def _bundle(self, finding: Finding, before_update: bool) -> Path:
+        """The flight recorder's replay bundle for ``finding`` (``_replay.py``)."""
         from ._replay import write_bundle
 
-        path = write_bundle(
+        return write_bundle(
             self.record_dir,
             finding,
             self._model,
@@ -721,7 +699,6 @@ class Monitor:
             self._optim.optimizers,
             before_update=before_update,
         )
-        self._write_event("recorded", f"replay bundle for the {finding.kind} finding: {path}")
 
     def _new_state(self) -> StepState:
         sampled = self.sampled
@@ -738,19 +715,18 @@ class Monitor:
     # -- records and lifetime ----------------------------------------------------------------
     def log(self, type: str, **fields: Any) -> None:
         """Write one record of any ``type`` (e.g. ``"feature_maps"``, ``"summary"``) to the sinks."""
-        self._write({"type": type, "step": self.step_count, **fields})
-
-    def _write_event(self, kind: str, message: str) -> None:
-        self._write(asdict(Event(self.step_count, kind, message)))
-
-    def _write(self, record: dict[str, Any]) -> None:
-        for sink in self._sinks:
-            sink.write(record)
+        self._out.write({"type": type, "step": self.step_count, **fields})
 
     @property
     def records(self) -> list[dict[str, Any]]:
         """Every record written so far (also without ``log_dir``)."""
-        return self._memory.records
+        return self._out.memory.records
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding so far, in the order they were found (``cleared_at`` set on those
+        whose condition stopped holding)."""
+        return self._out.findings
 
     def close(self) -> None:
         """Remove every hook (global optimizer hooks included) and close the sinks. Safe to
@@ -759,10 +735,7 @@ class Monitor:
         self._stop_listening()
         if self._checks is not None:
             self._checks.close()
-        sinks, self._sinks = self._sinks, [self._memory]
-        for sink in sinks:
-            if sink is not self._memory:
-                sink.close()
+        self._out.close()
 
     def __enter__(self) -> Monitor:
         return self

@@ -1,0 +1,102 @@
+"""Where a Monitor's records and findings go.
+
+Every record goes to every sink: an in-memory one always (``mon.records``), the user's own,
+and under ``log_dir`` the JSON-lines log and TensorBoard's events (when tensorboard is
+installed): rank 0's alone when the ranks' figures are combined, each rank's own under
+``rank<N>`` otherwise. A finding is kept and logged when it is first seen
+(``Diagnosis.first_time``); the first one of each kind in ``record_on`` has the flight
+recorder write a replay bundle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .._diagnose import Diagnosis, Finding, mark_cleared
+from .._log import LOG_NAME, Cleared, Event
+from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
+from ._dist import Collective
+
+__all__ = ["Output"]
+
+
+class Output:
+    """The Monitor's sinks and findings.
+
+    ``rank``: this process's rank under ``torch.distributed`` (``None``: one process);
+    ``coll``: the collective when the ranks' figures are combined. ``bundle(finding,
+    before_update)`` writes a replay bundle for ``finding`` and returns its path."""
+
+    def __init__(
+        self,
+        sinks: Sequence[Sink],
+        diagnosis: Diagnosis,
+        *,
+        rank: int | None,
+        coll: Collective | None,
+        record_dir: Path | None,
+        record_on: tuple[str, ...],
+        bundle: Callable[[Finding, bool], Path],
+    ) -> None:
+        self.findings: list[Finding] = []
+        self.memory = MemorySink()
+        self.sinks: list[Sink] = [self.memory, *sinks]
+        self._diagnosis, self._rank, self._coll = diagnosis, rank, coll
+        self._record_dir, self._record_on, self._bundle = record_dir, record_on, bundle
+        self._recorded: set[str] = set()  # the kinds a bundle was written for
+
+    def open(self, log_dir: str | Path | None) -> None:
+        """The JSON-lines log and TensorBoard (when installed) under ``log_dir``."""
+        if self._coll is None and self._rank is not None and log_dir is not None:
+            log_dir = Path(log_dir) / f"rank{self._rank}"
+        if log_dir is not None and (self._coll is None or self._coll.rank == 0):
+            self.sinks.append(JsonlSink(Path(log_dir) / LOG_NAME))
+            with contextlib.suppress(ImportError):
+                self.sinks.append(TensorBoardSink(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def event(self, step: int, kind: str, message: str) -> None:
+        self.write(asdict(Event(step, kind, message)))
+
+    def report(
+        self, found: list[Finding], step: int, *, before_update: bool, always: bool = False
+    ) -> list[Finding]:
+        """Keep and log the findings not seen before (``always``: all of them), record the
+        first of each chosen kind; return them."""
+        if self._coll is None and self._rank is not None:  # sync=False: this rank's own
+            found = [dataclasses.replace(f, rank=self._rank) for f in found]
+        new = [f for f in found if self._diagnosis.first_time(f) or always]
+        self.findings.extend(new)
+        for finding in new:
+            self.write({"type": "finding", **asdict(finding)})
+            here = self._coll is None or self._coll.rank == (finding.rank or 0)
+            wanted = here and self._record_dir is not None and finding.kind in self._record_on
+            if wanted and finding.kind not in self._recorded:
+                self._recorded.add(finding.kind)
+                path = self._bundle(finding, before_update)
+                self.event(
+                    step, "recorded", f"replay bundle for the {finding.kind} finding: {path}"
+                )
+        return new
+
+    def clear(self) -> None:
+        """Mark the findings whose condition stopped holding (``Diagnosis.cleared``) and log
+        that they did."""
+        for done in self._diagnosis.cleared():
+            self.findings = mark_cleared(self.findings, done)
+            self.write(asdict(Cleared.of(done)))
+
+    def close(self) -> None:
+        """Close every sink but the in-memory one, which keeps the records."""
+        sinks, self.sinks = self.sinks, [self.memory]
+        for sink in sinks:
+            if sink is not self.memory:
+                sink.close()
