@@ -63,14 +63,18 @@ def test_each_rank_of_an_unsynced_run_has_its_own_log_and_findings(tmp_path: Pat
         bundle=lambda finding, before: Path(),
     )
     out.open(tmp_path)
+    out.header("ResNet", {"fc": "Linear"}, {"fc.weight": [10, 16]}, {"every": 1}, world=2)
     (found,) = out.report([nonfinite("fc", 0)], 0, before_update=False)
     out.event(0, "skipped_step", "step 0: skipped")
     out.close()
     out.write({"type": "after", "step": 1})  # after close: in memory only
     assert found.rank == 1 and out.findings == [found]
     lines = (tmp_path / "rank1" / "hookscope.jsonl").read_text().splitlines()
-    assert [json.loads(line)["type"] for line in lines] == ["finding", "event"]
-    assert [r["type"] for r in out.memory.records] == ["finding", "event", "after"]
+    assert [json.loads(line)["type"] for line in lines] == ["header", "finding", "event"]
+    assert [r["type"] for r in out.memory.records] == ["header", "finding", "event", "after"]
+    header = out.memory.records[0]
+    assert (header["model"], header["modules"]) == ("ResNet", {"fc": "Linear"})
+    assert header["settings"] == {"every": 1, "world": 2, "sync": False, "rank": 1}
 
 
 def test_a_monitors_records_and_findings_are_its_outputs(tmp_path: Path) -> None:

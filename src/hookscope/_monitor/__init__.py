@@ -1,10 +1,12 @@
 """Monitor: layer-by-layer training health at the cost of a bare training step.
 
-The Monitor only orchestrates. Probes (``_probes.py``) and the non-finite trail
-(``_nonfinite.py``) put small device tensors into one :class:`StepBuffer` while the step runs;
-``step()`` moves the buffer to the host in one transfer, has each probe fill its part of a
-typed :class:`StepRecord` (``_log.py``), runs the diagnosis and writes to the sinks. The
-optimizers are found through torch's global step hooks (``_optim.py``).
+The Monitor only orchestrates. While a step runs, its hooks write the step's state
+(``_step.py``): probes (``_probes.py``) and the non-finite trail (``_nonfinite.py``) put small
+device tensors into the step's :class:`StepBuffer`. ``step()`` moves the buffer to the host in
+one transfer, has each probe fill its part of a typed :class:`StepRecord` (``_log.py``), has
+the non-finite decision (``_decide.py``) and the diagnosis judge the step, and writes the
+records and findings out (``_output.py``). The optimizers are found through torch's global
+step hooks (``_optim.py``).
 """
 
 from __future__ import annotations
@@ -25,12 +27,11 @@ from torch import nn
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds
 from .._hooks import HookSet, eager_model, in_backward_recompute
-from .._log import Header, StepRecord
+from .._log import StepRecord
 from .._select import Where, select
 from .._sinks import Sink
 from .._stats import Sampler
 from .._tree import tensors
-from .._version import __version__
 from ._attention import Attention
 from ._buffer import Host
 from ._calls import listen
@@ -275,20 +276,7 @@ class Monitor:
         except BaseException:
             self.close()
             raise
-        header = Header(
-            hookscope=__version__,
-            model=type(model).__name__,
-            modules=watched,
-            params=shapes,
-            settings={
-                **settings,
-                "world": world,
-                "sync": self._coll is not None,
-                **({"rank": self.rank} if distributed and self._coll is None else {}),
-            },
-            time=time.time(),
-        )
-        self._out.write(asdict(header))
+        self._out.header(type(model).__name__, watched, shapes, settings, world)
 
     def _make_probes(
         self, model: nn.Module, sampler: Sampler, bins: int | None, precision: Sequence[str]

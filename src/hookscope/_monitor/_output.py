@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from .._diagnose import Diagnosis, Finding, mark_cleared
-from .._log import LOG_NAME, Cleared, Event
+from .._log import LOG_NAME, Cleared, Event, Header
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
+from .._version import __version__
 from ._dist import Collective
 
 __all__ = ["Output"]
@@ -58,6 +60,29 @@ class Output:
             self.sinks.append(JsonlSink(Path(log_dir) / LOG_NAME))
             with contextlib.suppress(ImportError):
                 self.sinks.append(TensorBoardSink(log_dir))
+
+    def header(
+        self,
+        model: str,
+        modules: dict[str, str],
+        params: dict[str, list[int]],
+        settings: dict[str, Any],
+        world: int,
+    ) -> None:
+        """The log's first record: the model's class, the watched modules' classes, the
+        parameters' shapes and the Monitor's settings, with the ranks'."""
+        settings = {**settings, "world": world, "sync": self._coll is not None}
+        if self._rank is not None and self._coll is None:
+            settings["rank"] = self._rank
+        header = Header(
+            hookscope=__version__,
+            model=model,
+            modules=modules,
+            params=params,
+            settings=settings,
+            time=time.time(),
+        )
+        self.write(asdict(header))
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
