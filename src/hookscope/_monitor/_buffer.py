@@ -5,12 +5,16 @@ Probes ``add`` small device tensors under a key with a reduce rule (``"sum"``, `
 one output). Squares stay squares until the host, so that values from several calls or
 ranks still add up. :meth:`StepBuffer.to_host` concatenates everything and makes one
 ``tolist()``: one device-to-host transfer per step.
+
+Probes may also :meth:`~StepBuffer.keep` small tensors (the samples of a sampled step) until
+the step's end, where :meth:`~StepBuffer.settle` hands each probe everything it kept, for
+statistics of every module in one stacked pass instead of a few ops per module call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -22,6 +26,10 @@ _COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
 
 Host = dict[Hashable, list[float]]
 
+# Items kept for one ``finish`` before it runs, mid-step: what a step keeps stays bounded (a
+# cell unrolled over thousands of calls), and so does each stacked pass.
+KEEP_LIMIT = 512
+
 
 class StepBuffer:
     """Named device tensors of one step, each with its reduce rule."""
@@ -30,20 +38,40 @@ class StepBuffer:
         self._values: dict[Hashable, torch.Tensor] = {}
         self._reduce: dict[Hashable, Reduce] = {}
         self._host: Host = {}
+        self._kept: dict[Callable[[StepBuffer, list[Any]], None], list[Any]] = {}
+
+    def keep(self, finish: Callable[[StepBuffer, list[Any]], None], item: Any) -> None:
+        """Keep ``item`` until :meth:`settle`, which calls ``finish(self, items)`` with the
+        items kept for ``finish``, in the order kept (``finish`` adds values: it may be
+        called more than once a step, every ``KEEP_LIMIT`` items)."""
+        kept = self._kept.get(finish)
+        if kept is None:
+            kept = self._kept[finish] = []
+        kept.append(item)
+        if len(kept) >= KEEP_LIMIT:
+            finish(self, self._kept.pop(finish))
+
+    def settle(self) -> None:
+        """Hand what was kept to its ``finish`` (which adds values): before any transfer
+        (:meth:`to_host` does it itself; a collective's caller must)."""
+        while self._kept:
+            finish = next(iter(self._kept))
+            finish(self, self._kept.pop(finish))
 
     def add(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
         """Put ``value`` under ``key``, or combine it with what is there by ``reduce``."""
+        value = value.detach() if value.requires_grad else value
         old = self._values.get(key)
         if old is None:
-            self._values[key] = value.detach()
+            self._values[key] = value
             self._reduce[key] = reduce
         else:
-            self._values[key] = _COMBINE[reduce](old, value.detach())
+            self._values[key] = _COMBINE[reduce](old, value)
 
     def set(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
         """Put ``value`` under ``key``, replacing what is there."""
         self._host.pop(key, None)
-        self._values[key] = value.detach()
+        self._values[key] = value.detach() if value.requires_grad else value
         self._reduce[key] = reduce
 
     def __contains__(self, key: Hashable) -> bool:
@@ -78,8 +106,10 @@ class StepBuffer:
 
         Values already moved by an earlier call are not moved again; a key added again
         since is combined with them on the host by its rule (a second transfer only carries
-        what is new). ``only`` moves just the keys it accepts.
+        what is new). ``only`` moves just the keys it accepts. What was kept is settled
+        first.
         """
+        self.settle()
         keys = [k for k in self._values if only is None or only(k)]
         if keys:
             values = [self._values[k] for k in keys]
@@ -94,22 +124,27 @@ def _to_lists(values: list[torch.Tensor]) -> list[list[float]]:
     """Each value as a list of floats, from one ``tolist()``.
 
     Scalars (the non-finite flags: one per module call and gradient, tens of thousands in a
-    step of an unrolled cell) are stacked in one call, not reshaped one by one: the cost
-    per value stays a small constant.
+    step of an unrolled cell) are stacked in one call, and the other values concatenated
+    per dtype, not converted one by one: the cost per value stays a small constant.
     """
     device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
     scalars = [i for i, v in enumerate(values) if v.dim() == 0]
-    rest = [i for i, v in enumerate(values) if v.dim() != 0]
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, v in enumerate(values):
+        if v.dim() != 0:
+            groups.setdefault(v.dtype, []).append(i)
     parts = [_stack([values[i] for i in scalars], device)] if scalars else []
-    parts += [values[i].reshape(-1).to(device) for i in rest]
-    flat = torch.cat([p.to(dtype=torch.float64) for p in parts]).tolist()
+    order = list(scalars)
+    for indices in groups.values():
+        flat = [values[i] if values[i].dim() == 1 else values[i].reshape(-1) for i in indices]
+        parts.append(_cat(flat, device))
+        order += indices
+    floats = torch.cat([p.to(dtype=torch.float64) for p in parts]).tolist()
     out: list[list[float]] = [[] for _ in values]
-    for i, x in zip(scalars, flat, strict=False):
-        out[i] = [x]
-    at = len(scalars)
-    for i in rest:
+    at = 0
+    for i in order:
         n = values[i].numel()
-        out[i] = flat[at : at + n]
+        out[i] = floats[at : at + n]
         at += n
     return out
 
@@ -120,6 +155,15 @@ def _stack(scalars: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         return torch.stack(scalars).to(device)
     except RuntimeError:  # on several devices
         return torch.stack([v.to(device) for v in scalars])
+
+
+def _cat(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1-D ``parts`` of one dtype in one tensor on ``device`` (moved one by one only when
+    on several)."""
+    try:
+        return torch.cat(parts).to(device)
+    except RuntimeError:  # on several devices
+        return torch.cat([p.to(device) for p in parts])
 
 
 def combine(reduce: Reduce, old: list[float], new: list[float]) -> list[float]:
