@@ -7,7 +7,16 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
-from hookscope._stats import MOMENTS, Sampler, dead_fraction, moments
+from hookscope._stats import (
+    MOMENTS,
+    SAT_MARGIN,
+    Rows,
+    Sampler,
+    dead_fraction,
+    moments,
+    row_extremes,
+    row_moments,
+)
 
 
 def test_sample_none_reads_every_element() -> None:
@@ -45,6 +54,25 @@ def test_moments_equal_plain_torch() -> None:
     assert s["zeros"] == (x == 0).sum().item()
     assert s["sat"] == ((x <= 1e-3) | (x >= 1 - 1e-3)).sum().item()
     assert s["n"] == 1000 and s["nan"] == 0 and s["inf"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_statistics_of_padded_samples_equal_each_sample_alone(dtype) -> None:
+    xs = [torch.randn(n, dtype=dtype).clamp(-0.5, 2).relu() for n in (300, 1000, 7, 1000)]
+    xs[1][[3, 50]] = torch.tensor([float("nan"), float("inf")], dtype=dtype)
+    xs[2][:] = torch.linspace(0.5, 0.9, 7, dtype=dtype)  # positive: padding is not its min
+    bounds = [(0.0, 1.0), None, (0.0, 1.0), None]
+    x, mask, n = Rows().pad(xs)
+    assert x.shape == (4, 1000) and mask.sum(1).tolist() == [300, 1000, 7, 1000]
+    nan = torch.tensor(float("nan"), dtype=dtype)
+    lo = torch.stack([nan if b is None else torch.tensor(b[0] + SAT_MARGIN) for b in bounds])
+    hi = torch.stack([nan if b is None else torch.tensor(b[1] - SAT_MARGIN) for b in bounds])
+    rows = row_moments(x, mask, n, (lo.to(dtype)[:, None], hi.to(dtype)[:, None]))
+    extremes = row_extremes(x, mask)
+    for i, (sample, b) in enumerate(zip(xs, bounds, strict=True)):
+        torch.testing.assert_close(rows[i], moments(sample, b), equal_nan=True)
+        expected = torch.stack(torch.aminmax(sample)).float()
+        torch.testing.assert_close(extremes[i], expected, equal_nan=True)
 
 
 def test_dead_unit_estimate_from_positions_matches_the_exact_fraction() -> None:

@@ -8,6 +8,7 @@ a :class:`~hookscope._monitor._buffer.StepBuffer` combines across calls and move
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 __all__ = [
     "MOMENTS",
     "Plan",
+    "Rows",
     "Sampler",
     "channel_dim",
     "dead_fraction",
@@ -24,6 +26,8 @@ __all__ = [
     "moments",
     "norms",
     "plan_for",
+    "row_extremes",
+    "row_moments",
     "strided_index",
 ]
 
@@ -86,6 +90,20 @@ class Sampler:
             index = self._index[key] = strided_index(n, self.k, t.shape, t.device)
         return torch.take(t, index)
 
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """``self(t)`` as a tensor of its own, float32 (float64 for float64 input), to keep
+        until the step's end: never a view of ``t``, which an in-place op may change later."""
+        x = self(t)
+        if x.dtype not in (torch.float32, torch.float64):
+            return x.float()
+        return x.clone() if x.numel() == t.numel() else x  # a view of ``t``: copy it
+
+    def exact(self, t: torch.Tensor) -> torch.Tensor:
+        """``self(t)``, float32 (float64 for float64 input), to measure now: a view of ``t``
+        where it can be."""
+        x = self(t)
+        return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
     def units(self, t: torch.Tensor) -> torch.Tensor:
         """A ``(positions, units)`` sample: every unit, at up to ``max(64, k / units)``
         positions spread over the batch (and space, or sequence)."""
@@ -105,6 +123,19 @@ class Sampler:
             self._units[key] = index
         return torch.take(t, index)
 
+    def channel_ids(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The channel of each value of ``self(t)`` (as :meth:`channel_amax` reads them),
+        and the number of channels."""
+        unit_dim = channel_dim(t)
+        c = t.shape[unit_dim]
+        key = (tuple(t.shape), t.device)
+        ids = self._channels.get(key)
+        if ids is None:
+            index = strided_index(t.numel(), self.k or t.numel(), t.shape, t.device)
+            inner = math.prod(t.shape[unit_dim + 1 :])
+            ids = self._channels[key] = (index // inner) % c
+        return ids, c
+
     def channel_amax(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Each channel's largest magnitude over ``x``, ``self(t)``: the sample already read
         (the channel: the last dim of a 3-D ``(batch, sequence, hidden)`` output, else dim 1;
@@ -114,12 +145,7 @@ class Sampler:
         if x.numel() == t.numel():  # the whole tensor: reduce it directly
             dims = [d for d in range(t.dim()) if d != unit_dim]
             return t.detach().abs().amax(dim=dims).float()
-        key = (tuple(t.shape), t.device)
-        ids = self._channels.get(key)
-        if ids is None:
-            index = strided_index(t.numel(), self.k or t.numel(), t.shape, t.device)
-            inner = math.prod(t.shape[unit_dim + 1 :])
-            ids = self._channels[key] = (index // inner) % c
+        ids, _ = self.channel_ids(t)
         out = torch.zeros(c, device=x.device)
         return out.scatter_reduce_(0, ids, x.abs().float(), "amax")
 
@@ -174,6 +200,110 @@ def moments(x: torch.Tensor, bounds: tuple[float, float] | None) -> torch.Tensor
             x.new_full((), float(x.numel())),
         ]
     ).float()
+
+
+class Rows:
+    """Samples of several tensors as one zero-padded ``(rows, width)`` tensor, for statistics
+    of every sample in a few ops instead of a few per sample.
+
+    The constants that describe a step's rows (their lengths, say) become device tensors once
+    per layout and are reused by later steps with the same layout: no host-to-device copy on
+    a step like the last.
+    """
+
+    BUDGET = 1 << 24  # elements cached, at most (layouts that change every step)
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._size = 0
+
+    def cached(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, made once per ``key``."""
+        t = self._cache.get(key)
+        if t is None:
+            t = make()
+            if self._size + t.numel() > self.BUDGET:  # start over
+                self._cache.clear()
+                self._size = 0
+            self._cache[key] = t
+            self._size += t.numel()
+        return t
+
+    def const(
+        self, values: tuple, device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``torch.tensor(values)`` on ``device``, made once per ``values``."""
+        return self.cached(
+            ("const", values, device, dtype),
+            lambda: torch.tensor(values, dtype=dtype, device=device),
+        )
+
+    def pad(self, xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The 1-D ``xs`` (one dtype, one device) as the rows of one tensor, zero-padded to
+        the longest; the mask of their values (``None``: no padding) and their lengths (in
+        their dtype)."""
+        lengths = tuple(x.numel() for x in xs)
+        device, dtype = xs[0].device, xs[0].dtype
+        n = self.const(lengths, device, dtype)
+        if len(xs) == 1:
+            return xs[0].reshape(1, -1), None, n
+        if min(lengths) == max(lengths):
+            return torch.stack(xs), None, n
+        rows = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
+
+        def mask() -> torch.Tensor:
+            ends = self.const(lengths, device, torch.long)
+            return torch.arange(rows.shape[1], device=device) < ends[:, None]
+
+        return rows, self.cached(("mask", lengths, device), mask), n
+
+
+@torch.no_grad()
+def row_moments(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    n: torch.Tensor,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:func:`moments` of each row of ``x`` (``(rows, width)``, float32 or float64, zero past
+    each row's ``n`` values where ``mask`` is False; ``n``: the lengths, in ``x``'s dtype):
+    ``(rows, len(MOMENTS))``, float32. ``bounds``: per row, ``(rows, 1)`` saturation limits
+    (the bound plus or minus :data:`SAT_MARGIN`; NaN where the row has none)."""
+    square = x.square()
+    zeros = (x == 0).sum(1).to(x.dtype)
+    if mask is not None:  # the padding is zeros
+        zeros = zeros - (x.shape[1] - n)
+    if bounds is None:
+        sat = torch.zeros_like(n)
+    else:
+        out = (x <= bounds[0]) | (x >= bounds[1])
+        sat = (out if mask is None else out & mask).sum(1).to(x.dtype)
+    return torch.stack(
+        [
+            x.sum(1),
+            square.sum(1),
+            (square * x).sum(1),
+            square.square().sum(1),
+            zeros,
+            sat,
+            torch.isnan(x).sum(1).to(x.dtype),
+            torch.isinf(x).sum(1).to(x.dtype),
+            n,
+        ],
+        1,
+    ).float()
+
+
+@torch.no_grad()
+def row_extremes(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The smallest and the largest value of each row of ``x`` (NaN where a row holds one;
+    padding left out): ``(rows, 2)``, float32."""
+    if mask is None:
+        lo, hi = torch.aminmax(x, dim=1)
+    else:
+        lo = torch.where(mask, x, math.inf).amin(1)
+        hi = torch.where(mask, x, -math.inf).amax(1)
+    return torch.stack([lo, hi], 1).float()
 
 
 @torch.no_grad()
