@@ -340,19 +340,28 @@ def flag_sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
 
 
-def norms(tensors: list[torch.Tensor], ord: float = 2) -> list[torch.Tensor]:
-    """``ord``-norms of many tensors (float32), one fused kernel per device and dtype."""
+def norms(
+    tensors: list[torch.Tensor], ord: float = 2, *, squared: bool = False
+) -> list[torch.Tensor]:
+    """``ord``-norms of many tensors (float32; ``squared``: their squares), one fused kernel
+    per device and dtype (no per-tensor op: under ``no_grad``, nothing to detach)."""
     if not tensors:
         return []
     out: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
-    for indices in groups.values():
-        half = tensors[indices[0]].dtype in _HALF  # accumulate 16-bit floats in float32
-        values = torch._foreach_norm(
-            [tensors[i].detach() for i in indices], ord, dtype=torch.float32 if half else None
-        )
-        for i, norm in zip(indices, values, strict=True):
-            out[i] = norm.float()
+    with torch.no_grad():
+        for indices in groups.values():
+            dtype = tensors[indices[0]].dtype
+            half = dtype in _HALF  # accumulate 16-bit floats in float32
+            values = torch._foreach_norm(
+                [tensors[i] for i in indices], ord, dtype=torch.float32 if half else None
+            )
+            if not half and dtype != torch.float32:
+                values = [v.float() for v in values]
+            if squared:
+                values = torch._foreach_mul(values, values)
+            for i, norm in zip(indices, values, strict=True):
+                out[i] = norm
     return out  # type: ignore[return-value]

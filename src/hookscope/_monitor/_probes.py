@@ -401,25 +401,34 @@ class Params:
                     buf.set(("param", name, "no_grad"), torch.ones(()))
         names = [n for n in names if self.params[n].grad is not None]
         grads = [local(self.params[n].grad) for n in names]
-        for name, norm in zip(names, norms(grads), strict=True):
-            buf.set(("param", name, "grad_norm"), norm.square())
+        for name, square in zip(names, norms(grads, squared=True), strict=True):
+            buf.set(("param", name, "grad_norm"), square)
 
     def before_update(self, names: list[str]) -> None:
         for name in names:
             p = self.params[name]
             if p.dim() >= 2:  # update ratios concern weight matrices and kernels
-                self._before[name] = self.sampler(local(p.detach())).clone()
+                w = local(p.detach())
+                x = self.sampler(w)
+                # a sample taken is a tensor of its own; the whole weight is a view: copy it
+                self._before[name] = x.clone() if x.numel() == w.numel() else x
 
     def after_update(self, buf: StepBuffer, names: list[str]) -> None:
+        kept = []
         for name in names:
             before = self._before.pop(name, None)
             if before is not None and self.params[name].grad is not None:
-                now = self.sampler(local(self.params[name].detach()))
-                delta = torch.linalg.vector_norm((now - before).float())
-                buf.set(("param", name, "delta"), delta.square())
-                buf.set(
-                    ("param", name, "before"), torch.linalg.vector_norm(before.float()).square()
-                )
+                kept.append((name, before))
+        if kept:
+            with torch.no_grad():
+                befores = [before for _, before in kept]
+                nows = [self.sampler(local(self.params[name])) for name, _ in kept]
+                deltas = norms(torch._foreach_sub(nows, befores), squared=True)
+                for (name, _), delta, size in zip(
+                    kept, deltas, norms(befores, squared=True), strict=True
+                ):
+                    buf.set(("param", name, "delta"), delta)
+                    buf.set(("param", name, "before"), size)
         self._weightnorms(buf, names)
         self._done.update(names)
 
@@ -429,9 +438,9 @@ class Params:
         self._weightnorms(buf, rest)
 
     def _weightnorms(self, buf: StepBuffer, names: list[str]) -> None:
-        weights = [local(self.params[n].detach()) for n in names]
-        for name, norm in zip(names, norms(weights), strict=True):
-            buf.set(("param", name, "norm"), norm.square())
+        weights = [local(self.params[n]) for n in names]
+        for name, square in zip(names, norms(weights, squared=True), strict=True):
+            buf.set(("param", name, "norm"), square)
 
     def layout(self, rank: int) -> list[Entry]:
         entries = []

@@ -120,9 +120,10 @@ class WeightNorms:
         if self._measured:
             return  # a second optimizer of the step: its update is not the step's first
         self._measured = True
-        with torch.no_grad():
+        with torch.no_grad():  # views of the weights, nothing to detach
             for k, (_, tensors) in enumerate(self._kinds):
-                samples = [local(p).detach().reshape(-1)[::stride] for p, stride in tensors]
+                flat = [(local(p).reshape(-1), stride) for p, stride in tensors]
+                samples = [x if stride == 1 else x[::stride] for x, stride in flat]
                 buf.set(("weights", k), torch.stack(norms(samples, 1)))
 
     def read(self, host: Host) -> dict[str, float]:
