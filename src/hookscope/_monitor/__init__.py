@@ -282,7 +282,7 @@ class Monitor:
         self, model: nn.Module, sampler: Sampler, bins: int | None, precision: Sequence[str]
     ) -> None:
         """What the Monitor measures (``_probes.py``, ``_compiled.py``, ``_precision.py``,
-        ``_signals.py``, ``_poisoned.py``): device tensors into the step's buffer."""
+        ``_signals.py``): device tensors into the step's buffer."""
         dead_min = (self.thresholds.dead_min_units, self.thresholds.dead_min_samples)
         dead_at = self.thresholds.dead_unit
         self._acts = Activations(
