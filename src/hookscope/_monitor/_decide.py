@@ -125,7 +125,7 @@ class NonFiniteDecision:
         update (an overflow that GradScaler skipped the step for is the scaler's business: no
         finding), and the finding for the weights its update made non-finite, if it did.
         ``info``: what the step's collective told of every rank (``None``: one process)."""
-        found = []
+        found: list[Finding] = []
         if state.nonfinite is None:
             if info is None:
                 state.nonfinite = self.localised(state, host, step, findings)
