@@ -177,7 +177,10 @@ def test_gradient_edits_on_reformer_apply_in_the_recompute_and_match_plain_autog
     got = grads(lambda: model(ids).last_hidden_state)  # edits in backward's recompute
     want = grads(lambda: reformer_by_hand(model, ids)[0])  # the same edits, plain autograd
     for (name, _), a, b in zip(model.named_parameters(), got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+        # float32 sums in another order: an entry near zero of a gradient whose largest is
+        # ~150 differs by ~3e-5 on some CPUs, so the absolute tolerance scales with it
+        atol = 1e-5 + 1e-6 * float(b.abs().max())
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=atol, msg=name)
     model.zero_grad()
     (model(ids).last_hidden_state * weight).sum().backward()
     assert not torch.allclose(model.embeddings.word_embeddings.weight.grad, got[0])  # it edited
