@@ -3,10 +3,10 @@
 The Monitor only orchestrates. While a step runs, its hooks write the step's state
 (``_step.py``): probes (``_probes.py``) and the non-finite trail (``_nonfinite.py``) put small
 device tensors into the step's :class:`StepBuffer`. ``step()`` moves the buffer to the host in
-one transfer, has each probe fill its part of a typed :class:`StepRecord` (``_log.py``), has
-the non-finite decision (``_decide.py``) and the diagnosis judge the step, and writes the
-records and findings out (``_output.py``). The optimizers are found through torch's global
-step hooks (``_optim.py``).
+one transfer (``_transfer.py``), has each probe fill its part of a typed :class:`StepRecord`
+(``_log.py``), has the non-finite decision (``_decide.py``) and the diagnosis judge the step,
+and writes the records and findings out (``_output.py``). The optimizers are found through
+torch's global step hooks (``_optim.py``).
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from .._sinks import Sink
 from .._stats import Sampler
 from .._tree import tensors
 from ._attention import Attention
-from ._buffer import Host
 from ._calls import listen
 from ._checks import Checks, Context
 from ._compiled import CompiledProbes
 from ._decide import NonFiniteDecision, nonfinite_error
-from ._dist import Collective, Entry, RankInfo, digest
+from ._dist import Collective, Entry
 from ._heard import Ears
 from ._nonfinite import PASS_THROUGH
 from ._optim import OptimizerWatch
@@ -57,6 +56,7 @@ from ._probes import Activations, BatchNorms, OutputGrads, Params
 from ._signals import SkipList, SpikeWatch
 from ._step import StepState
 from ._trace import Tape
+from ._transfer import Transfer
 from ._warnings import Warnings
 
 __all__ = ["Monitor"]
@@ -252,6 +252,17 @@ class Monitor:
                 sharded=sharded,
                 root_watched="" in self.modules,
                 flagged=self._flagging,
+            )
+            self._transfer = Transfer(  # the step's one transfer (``_transfer.py``)
+                model,
+                self._tape,
+                self._compiled,
+                self._acts,
+                self._grads,
+                coll=self._coll,
+                layout=self._probe_layout,
+                bad_bits=self._decision.bad_bits,
+                warnings=self._warnings,
             )
             self._now = self._new_state()  # what the hooks write this step (``_step.py``)
             self._stop_listening = listen(self._listener)
@@ -522,7 +533,9 @@ class Monitor:
         s, decision = self._now, self._decision
         if s.nonfinite is None:
             if self._coll is None:
-                s.nonfinite = decision.localised(s, self._to_host(), self.step_count, self.findings)
+                s.nonfinite = decision.localised(
+                    s, self._transfer.to_host(s), self.step_count, self.findings
+                )
             elif self.on_nonfinite == "log":
                 return False  # found at step(), from the step's one collective
             else:  # every rank must take the same decision before its update
@@ -592,7 +605,7 @@ class Monitor:
             self._bns.collect(s.buf)
         self._checks.collect(s.buf, s.sampled)
         tensor_scalars = sorted(given)
-        host, info = self._transfer(s, tensor_scalars)
+        host, info = self._transfer.step(s, tensor_scalars, step)
         record = StepRecord(step, time.time(), s.sampled, self._model.training)
         record.scalars = {k: host[("scalar", k)][0] / self._world for k in tensor_scalars}
         record.scalars.update(plain)
@@ -631,24 +644,6 @@ class Monitor:
             raise nonfinite_error(s.nonfinite)
         return s.early + new
 
-    def _transfer(self, s: StepState, tensor_scalars: list[str]) -> tuple[Host, RankInfo | None]:
-        """The step's buffer on the host; under ``torch.distributed``, from the step's one
-        collective, with what it told of every rank."""
-        if self._coll is None:
-            return self._to_host(), None
-        compiled = self._before_transfer()  # not in the layout: the rank's own
-        host, info = self._coll.exchange(
-            s.buf,
-            self._coll.layout(s.sampled, tensor_scalars, self._probe_layout),
-            self._decision.bad_bits(s),
-            self.step_count,
-            digest(",".join(tensor_scalars)),
-        )
-        if compiled:
-            self._compiled.unpack(host, s.trail.flags, self._grads.order)
-            self._warnings.compiled_per_rank()
-        return host, info
-
     def _probe_layout(self, rank: int) -> list[Entry]:
         """What the probes put in a sampled step's collective."""
         layout = self._acts.layout(rank) + self._grads.layout()
@@ -656,24 +651,6 @@ class Monitor:
         if self._precision is not None:
             layout += self._precision.layout()
         return layout + self._attention.layout() + self._checks.layout(rank)
-
-    def _to_host(self) -> Host:
-        """The step's buffer on the host, with what compiled graphs measured in it."""
-        self._before_transfer()
-        host = self._now.buf.to_host()
-        self._compiled.unpack(host, self._now.trail.flags, self._grads.order)
-        return host
-
-    def _before_transfer(self) -> bool:
-        """Ready the buffer for a transfer (an update's early one too): only the top channels
-        move, and what compiled graphs measured joins it. True when a compiled graph ran."""
-        if self._compiled.ran:
-            self._tape.tape_wrappers(self._model)
-        if self._now.sampled:
-            self._acts.collect(self._now.buf)
-        compiled = self._compiled.ran
-        self._compiled.drain(self._now.buf)
-        return compiled
 
     def _bundle(self, finding: Finding, before_update: bool) -> Path:
         """The flight recorder's replay bundle for ``finding`` (``_replay.py``)."""
