@@ -53,6 +53,7 @@ from ._options import (
 from ._output import Output
 from ._precision import Precision
 from ._probes import Activations, BatchNorms, OutputGrads, Params
+from ._replay import write_bundle  # safetensors itself is imported when a bundle is written
 from ._signals import SkipList, SpikeWatch
 from ._step import StepState
 from ._trace import Tape
@@ -654,8 +655,6 @@ class Monitor:
 
     def _bundle(self, finding: Finding, before_update: bool) -> Path:
         """The flight recorder's replay bundle for ``finding`` (``_replay.py``)."""
-        from ._replay import write_bundle
-
         return write_bundle(
             self.record_dir,
             finding,
