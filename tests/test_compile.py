@@ -511,3 +511,58 @@ def test_an_evaluation_pass_through_the_compiled_model_adds_no_graph_break() -> 
     assert dict(counters["graph_break"]) == {}
     steps = [r for r in mon.records if r["type"] == "step"]
     assert all(sorted(s["act"]) == sorted(mon.modules) for s in steps)
+
+
+# -- the gradient probe: a traced autograd.Function, or a custom op where one cannot trace ----
+
+
+def probe_ops(under_error_filter: bool) -> tuple[list[str], list[dict], list[dict]]:
+    """The ops of the graphs Dynamo hands the backend for a compiled CNN step under the
+    Monitor (``every=1``), and the compiled and eager step records."""
+    graphs: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.extend(str(node.target) for node in gm.graph.nodes)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    eager, _ = compiled_steps(CNN, images, cnn_loss, how=None, every=1)
+    torch.manual_seed(0)
+    model = CNN()
+    with warnings.catch_warnings():
+        if under_error_filter:  # a test suite's -W error
+            warnings.filterwarnings(
+                "error", message=".*should not be instantiated", category=DeprecationWarning
+            )
+        with hs.Monitor(model, every=1) as mon:
+            call = torch.compile(model, backend=backend, fullgraph=True)
+            train(mon, call, model, images, cnn_loss)
+    compiled = [r for r in mon.records if r["type"] == "step"]
+    return graphs, compiled, eager
+
+
+@pytest.mark.parametrize("under_error_filter", [False, True], ids=["function", "custom-op"])
+def test_the_gradient_probe_is_traced_through_unless_warnings_are_errors(
+    under_error_filter: bool,
+) -> None:
+    graphs, compiled, eager = probe_ops(under_error_filter)
+    custom_op = [op for op in graphs if "grad_probe" in op]
+    function = [op for op in graphs if "autograd_function_apply" in op]
+    if under_error_filter:  # Dynamo could not make the Function's context: the custom op
+        assert custom_op and not function
+    else:  # traced through: Inductor can fuse its copy away
+        assert function and not custom_op
+    assert dict(counters["graph_break"]) == {}
+    assert_equal_to_eager(compiled, eager)
+    assert all(r["grad"] for r in compiled)
+
+
+def test_the_probe_choice_is_marked_constant_as_torch_marks_one() -> None:
+    from hookscope._monitor import _compiled
+
+    def marked() -> bool:
+        return True
+
+    torch.compiler.assume_constant_result(marked)
+    marks = vars(marked)
+    assert marks
+    assert all(getattr(_compiled._functions_trace, k, None) == v for k, v in marks.items())
