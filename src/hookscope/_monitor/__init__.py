@@ -11,12 +11,10 @@ torch's global step hooks (``_optim.py``).
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,12 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds
-from .._hooks import HookSet, eager_model, in_backward_recompute
+from .._hooks import HookSet, eager_model
 from .._log import StepRecord
 from .._select import Where, select
 from .._sinks import Sink
 from .._stats import Sampler
-from .._tree import tensors
 from ._attention import Attention
 from ._calls import listen
 from ._checks import Checks, Context
@@ -39,7 +36,7 @@ from ._compiled import CompiledProbes
 from ._decide import NonFiniteDecision, nonfinite_error
 from ._dist import Collective, Entry
 from ._heard import Ears
-from ._nonfinite import PASS_THROUGH
+from ._modules import ModuleHooks
 from ._optim import OptimizerWatch
 from ._options import (
     batch_list,
@@ -56,7 +53,6 @@ from ._probes import Activations, BatchNorms, OutputGrads, Params
 from ._replay import write_bundle  # safetensors itself is imported when a bundle is written
 from ._signals import SkipList, SpikeWatch
 from ._step import StepState
-from ._trace import Tape
 from ._transfer import Transfer
 from ._warnings import Warnings
 
@@ -208,7 +204,6 @@ class Monitor:
         self._world = self._coll.world if self._coll is not None else 1  # combined ranks
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
         self.modules: dict[str, nn.Module] = select(model, where if where is not None else is_leaf)
-        self._pass_through = {n for n, m in self.modules.items() if isinstance(m, PASS_THROUGH)}
         self.step_count = 0
         self._model = model
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
@@ -236,9 +231,7 @@ class Monitor:
             record_on=self.record_on,
             bundle=self._bundle,
         )
-        self._grad_calls = 0  # output gradients seen: did a backward pass reach the model?
         self._warnings = Warnings()
-        self._listener = Ears(self)
         self._stop_listening = lambda: None
         self._checks: Checks | None = None
         self._hooks = HookSet("Monitor")
@@ -252,7 +245,7 @@ class Monitor:
                 self._coll,
                 sharded=sharded,
                 root_watched="" in self.modules,
-                flagged=self._flagging,
+                flagged=self._module_hooks.flagging,
             )
             self._transfer = Transfer(  # the step's one transfer (``_transfer.py``)
                 model,
@@ -265,7 +258,11 @@ class Monitor:
                 bad_bits=self._decision.bad_bits,
                 warnings=self._warnings,
             )
-            self._now = self._new_state()  # what the hooks write this step (``_step.py``)
+            self._module_hooks.now = self._new_state()  # what the hooks write (``_step.py``)
+            # listen() keeps a weak reference: the Monitor holds its listener
+            self._listener = Ears(
+                self._module_hooks, self._params, self._checks, self.read_gradients
+            )
             self._stop_listening = listen(self._listener)
             self._out.open(log_dir)
             settings = {
@@ -324,21 +321,24 @@ class Monitor:
         replicated: Where | None,
     ) -> None:
         """Every hook the Monitor puts on the model and its optimizers, in its HookSet."""
-        self._tape = Tape(
+        self._module_hooks = ModuleHooks(  # the hooks on the model's modules (``_modules.py``)
             self._hooks,
             model,
+            self.modules,
+            acts=self._acts,
+            grads=self._grads,
+            precision=self._precision,
+            compiled=self._compiled,
             keep_outputs=record_dir is not None,
             on_first_call=self._bns.save_running if self.on_nonfinite == "skip" else None,
-            on_top_call=self._on_root,
         )
-        for name, module in self.modules.items():
-            index = self._compiled.index[name]
-            self._hooks.forward(module, functools.partial(self._on_forward, name, index))
-        for name, module in model.named_modules():
-            if name not in self.modules:
-                self._hooks.forward(module, self._on_container)
+        self._tape = self._module_hooks.tape
         self._attention = Attention(
-            model, self._hooks, self.sample, active=self._measures, buffer=lambda: self._now.buf
+            model,
+            self._hooks,
+            self.sample,
+            active=self._module_hooks.measures,
+            buffer=lambda: self._module_hooks.now.buf,
         )
         self._optim = OptimizerWatch(
             self._hooks,
@@ -369,6 +369,11 @@ class Monitor:
         )
 
     @property
+    def _now(self) -> StepState:
+        """What the hooks write this step (``_step.py``)."""
+        return self._module_hooks.now
+
+    @property
     def sampled(self) -> bool:
         """Whether the current step collects statistics."""
         return self.every is not None and self.step_count % self.every == 0
@@ -391,133 +396,6 @@ class Monitor:
         else:
             self._read_grads(None, list(self._params.params))
             self._optim.read_now(None)
-
-    # -- hooks -----------------------------------------------------------------------------
-    def _on_forward(
-        self,
-        name: str,
-        index: torch.Tensor,
-        module: nn.Module,
-        args: Any,
-        kwargs: Any,
-        output: Any,
-    ) -> Any:
-        if torch.compiler.is_compiling():  # traced into a graph: ``_compiled.py``
-            return self._on_forward_compiled(index, module, args, output)
-        s = self._now
-        if self._tape.paused and not s.flagging:  # a replay under the op tracer
-            return
-        s.hooks_ran = True
-        if s.light and self._tape.recording:
-            return  # the edges' flags and a replay stand for this call's
-        outs = [t for t in tensors(output) if t.is_floating_point()]
-        if in_backward_recompute():
-            # Activation checkpointing re-runs forward during backward: never count it again.
-            # A reentrant checkpoint ran the first pass without autograd; the gradients flow
-            # through this re-run, so hook them here.
-            if name in s.no_grad_names:
-                self._hook_grads(name, outs)
-            return
-        if not outs:
-            return
-        sampled = s.sampled
-        light = not sampled and name in self._pass_through
-        outs = s.trail.forward(s.buf, name, tensors(args), outs, pass_through=light)
-        if not outs:  # it returned its input: an alias of the module that made it
-            return
-        if torch.is_grad_enabled():
-            if sampled:
-                s.made[name] = {t.data_ptr() for t in outs if t.requires_grad}
-            if not light:
-                self._hook_grads(name, outs)
-        else:
-            s.no_grad_names.add(name)
-            if self._tape.grad_enabled:  # no_grad inside the model's own forward
-                s.trail.detached.add(name)
-        if sampled and module.training:
-            self._acts.forward(s.buf, name, outs)
-            if self._precision is not None:
-                self._precision.forward(s.buf, name, outs)
-
-    def _on_forward_compiled(
-        self, index: torch.Tensor, module: nn.Module, args: Any, output: Any
-    ) -> Any:
-        """The forward hook inside a compiled graph: it reads only Python bools (one graph
-        for sampled steps, one for the others) and the module's index tensor."""
-        s = self._now
-        s.hooks_ran = True
-        if s.light and self._tape.recording:
-            return None  # the edges' flags and a replay stand for this call's
-        return self._compiled.forward(index, module, args, output, sampled=s.sampled)
-
-    def _measures(self, module: nn.Module) -> bool:
-        """Whether a call of ``module`` now adds to the step's statistics: a sampled step in
-        training mode, not a replay nor an activation-checkpoint recompute (nor a compiled
-        graph: the attention probe is eager-only)."""
-        if torch.compiler.is_compiling():
-            return False
-        paused = self._tape.paused or in_backward_recompute()
-        return self._now.sampled and module.training and not paused
-
-    def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """Unsampled steps: flag the inputs and outputs of each outermost call into the model
-        (the model, or a child the training loop calls directly: ``name``), and hook the
-        gradient that reaches its outputs (every NaN/Inf that matters passes one of them, or
-        a parameter's gradient). Called by the tape as each such call returns."""
-        if self._compiled.ran and not self._tape.paused and torch.is_grad_enabled():
-            self._hear_backward(output)
-        s = self._now
-        if not s.light or self._tape.paused or in_backward_recompute():
-            return
-        outs = [t for t in tensors(output) if t.is_floating_point()]
-        # Positional inputs only, as for every module: keyword ones are often masks that
-        # hold -inf on purpose.
-        outs = s.trail.forward(s.buf, name, tensors(args), outs, nan_inputs=True)
-        if outs and torch.is_grad_enabled():
-            for t in outs:
-                if t.requires_grad:
-                    self._hooks.tensor(t, functools.partial(self._on_edge_grad, name))
-
-    def _hear_backward(self, output: Any) -> None:
-        """A compiled graph ran the model: its backward calls no Python, so a hook on what
-        the call returned tells that a backward pass reached the model (its loss is the
-        step's)."""
-        for t in tensors(output):
-            if t.requires_grad and t.is_floating_point():
-                self._hooks.tensor(t, self._count_grad)
-
-    def _count_grad(self, grad: torch.Tensor) -> None:
-        self._grad_calls += 1
-
-    def _on_edge_grad(self, name: str, grad: torch.Tensor) -> None:
-        self._grad_calls += 1
-        s = self._now
-        s.trail.backward(s.buf, name, grad, edge=True)
-
-    def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """What a container returns: a watched module's output that no container returns,
-        feeds nothing that one does, and gets no gradient, was detached or thrown away."""
-        s = self._now
-        s.hooks_ran = True
-        if torch.compiler.is_compiling():  # eager-only (``_compiled.py``)
-            return
-        if s.sampled and torch.is_grad_enabled() and not self._tape.paused:
-            s.returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)
-
-    def _hook_grads(self, name: str, outs: list[torch.Tensor]) -> None:
-        for t in outs:
-            if t.requires_grad:
-                self._hooks.tensor(t, functools.partial(self._on_grad, name))
-
-    def _on_grad(self, name: str, grad: torch.Tensor) -> None:
-        self._grad_calls += 1
-        s = self._now
-        s.got_grad.add(name)
-        s.trail.backward(s.buf, name, grad)
-        if s.sampled:
-            self._grads.backward(s.buf, name, grad)
-            if self._precision is not None:
-                self._precision.backward(s.buf, name, grad)
 
     def _read_grads(self, optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
         s = self._now
@@ -566,17 +444,6 @@ class Monitor:
     def _after_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
         if self._now.sampled:
             self._params.after_update(self._now.buf, names)
-
-    @contextlib.contextmanager
-    def _flagging(self) -> Iterator[StepState]:
-        """While the step is replayed with every watched module flagged (``_decide.py``),
-        the hooks write into a state of the replay's own, which this yields."""
-        kept = self._now
-        self._now = StepState(sampled=False, light=False, flagging=True)
-        try:
-            yield self._now
-        finally:
-            self._now = kept
 
     # -- the step boundary: one host transfer ------------------------------------------------
     def step(self, *, batch_indices: Any = None, **scalars: Any) -> list[Finding]:
@@ -674,7 +541,7 @@ class Monitor:
         self._params.reset()
         self._optim.reset()
         self.step_count += 1
-        self._now = self._new_state()
+        self._module_hooks.now = self._new_state()
 
     # -- records and lifetime ----------------------------------------------------------------
     def log(self, type: str, **fields: Any) -> None:

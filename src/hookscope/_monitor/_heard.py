@@ -8,6 +8,7 @@ an accumulated step), the scale a GradScaler multiplied it by, the total norms
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,9 @@ from torch.linalg import vector_norm
 from .._diagnose import Finding
 
 if TYPE_CHECKING:
-    from . import Monitor
+    from ._checks import Checks
+    from ._modules import ModuleHooks
+    from ._probes import Params
 
 __all__ = ["Ears", "Heard"]
 
@@ -69,28 +72,38 @@ class Heard:
 
 class Ears:
     """The Monitor's listener on the script's calls into torch (``_calls.Listener``): the
-    loss each backward pass started from, and the gradients before they are clipped."""
+    loss each backward pass started from, and the gradients before they are clipped.
 
-    def __init__(self, monitor: Monitor) -> None:
-        self.monitor = monitor
+    It reads what the module hooks (``_modules.py``) saw: the step's state, the count of
+    output gradients (did a backward pass reach the model?) and the tape (a replay of ours
+    is not the script's). ``read_gradients`` reads the step's gradients before a clip."""
+
+    def __init__(
+        self,
+        hooks: ModuleHooks,
+        params: Params,
+        checks: Checks,
+        read_gradients: Callable[[], None],
+    ) -> None:
+        self._hooks, self._params, self._checks = hooks, params, checks
+        self._read_gradients = read_gradients
 
     def before_backward(self) -> tuple[int, bool]:
-        m = self.monitor
+        h = self._hooks
         # No gradient on any parameter: a new accumulation starts (zero_grad ran), and the
         # losses backpropagated before it (a GAN's other phase) are not this step's.
-        fresh = all(p.grad is None for p in m._params.params.values())
-        if not m._tape.paused:
-            m._now.backward_ran = True
-        if m._checks is not None and not m._tape.paused:
-            m._checks.before_backward()
-        return m._grad_calls, fresh
+        fresh = all(p.grad is None for p in self._params.params.values())
+        if not h.tape.paused:
+            h.now.backward_ran = True
+            self._checks.before_backward()
+        return h.grad_calls, fresh
 
     def after_backward(self, token: tuple[int, bool], loss: torch.Tensor | None) -> None:
-        m = self.monitor
+        h = self._hooks
         calls, fresh = token
-        if loss is None or m._grad_calls == calls or m._tape.paused:
+        if loss is None or h.grad_calls == calls or h.tape.paused:
             return  # it did not reach the model, or it is a replay of ours
-        heard = m._now.heard
+        heard = h.now.heard
         heard.loss = (
             loss if fresh or heard.loss is None else heard.loss + loss.to(heard.loss.device)
         )
@@ -98,24 +111,24 @@ class Ears:
     def loss_scaled(self, token: tuple[int, bool], scale: torch.Tensor) -> None:
         """The loss was multiplied by a GradScaler's ``scale``: logged as ``grad_scale``
         when that backward pass reached the model."""
-        m = self.monitor
-        if m._grad_calls != token[0] and not m._tape.paused:
-            m._now.heard.scale = scale
+        h = self._hooks
+        if h.grad_calls != token[0] and not h.tape.paused:
+            h.now.heard.scale = scale
 
     def scaler_skipped(self, optimizer: torch.optim.Optimizer) -> None:
         """GradScaler skipped ``optimizer.step()`` (Inf/NaN gradients): the step's one
         ``skipped_step`` event says so, with the scale."""
         if self._concerns([p for g in optimizer.param_groups for p in g["params"]]):
-            self.monitor._now.heard.scaler_skips.append(optimizer)
+            self._hooks.now.heard.scaler_skips.append(optimizer)
 
     def before_clip(self, params: list[torch.Tensor]) -> None:
         if self._concerns(params):
-            self.monitor.read_gradients()
+            self._read_gradients()
 
     def clipped(self, params: list[torch.Tensor], total_norm: torch.Tensor, p: float) -> None:
         if self._concerns(params):
-            self.monitor._now.heard.clip_norms.append((total_norm.detach(), p))
+            self._hooks.now.heard.clip_norms.append((total_norm.detach(), p))
 
     def _concerns(self, params: list[torch.Tensor]) -> bool:
-        owned = self.monitor._params._name
+        owned = self._params._name
         return any(id(p) in owned for p in params)

@@ -1,0 +1,212 @@
+"""The Monitor's hooks on the model's modules: what a step's module calls write.
+
+:class:`ModuleHooks` puts a forward hook on every watched module (the probes, the non-finite
+trail and a hook on each output's gradient), one on every other module (which outputs a
+container returned: ``StepState.dead_ends``) and the tape on the outermost calls
+(``_trace.py``: the model's edges, flagged on unsampled steps). The hooks write into the
+current :class:`StepState` (``now``), which the Monitor replaces as each step ends and the
+non-finite decision swaps for a replay's (``flagging``).
+
+They run at every module call: each does its work inline, with no call into another layer.
+Inside a compiled graph the forward hook takes the branch of ``_compiled.py``, which reads
+only Python bools and the module's index tensor (nothing a graph would guard on per module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._hooks import HookSet, in_backward_recompute
+from .._tree import tensors
+from ._compiled import CompiledProbes
+from ._nonfinite import PASS_THROUGH
+from ._precision import Precision
+from ._probes import Activations, OutputGrads
+from ._step import StepState
+from ._trace import Tape
+
+__all__ = ["ModuleHooks"]
+
+
+class ModuleHooks:
+    """Every hook the Monitor puts on the model's modules, in ``hooks`` (its HookSet).
+
+    ``keep_outputs``: the tape keeps the outermost calls' outputs (for a replay bundle).
+    ``on_first_call``: called before a step's first outermost call."""
+
+    def __init__(
+        self,
+        hooks: HookSet,
+        model: nn.Module,
+        modules: dict[str, nn.Module],
+        *,
+        acts: Activations,
+        grads: OutputGrads,
+        precision: Precision | None,
+        compiled: CompiledProbes,
+        keep_outputs: bool,
+        on_first_call: Callable[[], None] | None,
+    ) -> None:
+        self._hooks, self._acts, self._grads = hooks, acts, grads
+        self._precision, self._compiled = precision, compiled
+        self._pass_through = {n for n, m in modules.items() if isinstance(m, PASS_THROUGH)}
+        # What the hooks write this step; the Monitor sets the first step's before any call.
+        self.now = StepState(sampled=False, light=False)
+        self.grad_calls = 0  # output gradients seen: did a backward pass reach the model?
+        self.tape = Tape(
+            hooks,
+            model,
+            keep_outputs=keep_outputs,
+            on_first_call=on_first_call,
+            on_top_call=self._on_root,
+        )
+        for name, module in modules.items():
+            index = compiled.index[name]
+            hooks.forward(module, functools.partial(self._on_forward, name, index))
+        for name, module in model.named_modules():
+            if name not in modules:
+                hooks.forward(module, self._on_container)
+
+    def measures(self, module: nn.Module) -> bool:
+        """Whether a call of ``module`` now adds to the step's statistics: a sampled step in
+        training mode, not a replay nor an activation-checkpoint recompute (nor a compiled
+        graph: the attention probe is eager-only)."""
+        if torch.compiler.is_compiling():
+            return False
+        paused = self.tape.paused or in_backward_recompute()
+        return self.now.sampled and module.training and not paused
+
+    @contextlib.contextmanager
+    def flagging(self) -> Iterator[StepState]:
+        """While the step is replayed with every watched module flagged (``_decide.py``),
+        the hooks write into a state of the replay's own, which this yields."""
+        kept = self.now
+        self.now = StepState(sampled=False, light=False, flagging=True)
+        try:
+            yield self.now
+        finally:
+            self.now = kept
+
+    # -- the hooks ---------------------------------------------------------------------------
+    def _on_forward(
+        self,
+        name: str,
+        index: torch.Tensor,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        output: Any,
+    ) -> Any:
+        if torch.compiler.is_compiling():  # traced into a graph: ``_compiled.py``
+            return self._on_forward_compiled(index, module, args, output)
+        s = self.now
+        if self.tape.paused and not s.flagging:  # a replay under the op tracer
+            return
+        s.hooks_ran = True
+        if s.light and self.tape.recording:
+            return  # the edges' flags and a replay stand for this call's
+        outs = [t for t in tensors(output) if t.is_floating_point()]
+        if in_backward_recompute():
+            # Activation checkpointing re-runs forward during backward: never count it again.
+            # A reentrant checkpoint ran the first pass without autograd; the gradients flow
+            # through this re-run, so hook them here.
+            if name in s.no_grad_names:
+                self._hook_grads(name, outs)
+            return
+        if not outs:
+            return
+        sampled = s.sampled
+        light = not sampled and name in self._pass_through
+        outs = s.trail.forward(s.buf, name, tensors(args), outs, pass_through=light)
+        if not outs:  # it returned its input: an alias of the module that made it
+            return
+        if torch.is_grad_enabled():
+            if sampled:
+                s.made[name] = {t.data_ptr() for t in outs if t.requires_grad}
+            if not light:
+                self._hook_grads(name, outs)
+        else:
+            s.no_grad_names.add(name)
+            if self.tape.grad_enabled:  # no_grad inside the model's own forward
+                s.trail.detached.add(name)
+        if sampled and module.training:
+            self._acts.forward(s.buf, name, outs)
+            if self._precision is not None:
+                self._precision.forward(s.buf, name, outs)
+
+    def _on_forward_compiled(
+        self, index: torch.Tensor, module: nn.Module, args: Any, output: Any
+    ) -> Any:
+        """The forward hook inside a compiled graph: it reads only Python bools (one graph
+        for sampled steps, one for the others) and the module's index tensor."""
+        s = self.now
+        s.hooks_ran = True
+        if s.light and self.tape.recording:
+            return None  # the edges' flags and a replay stand for this call's
+        return self._compiled.forward(index, module, args, output, sampled=s.sampled)
+
+    def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """Unsampled steps: flag the inputs and outputs of each outermost call into the model
+        (the model, or a child the training loop calls directly: ``name``), and hook the
+        gradient that reaches its outputs (every NaN/Inf that matters passes one of them, or
+        a parameter's gradient). Called by the tape as each such call returns."""
+        if self._compiled.ran and not self.tape.paused and torch.is_grad_enabled():
+            self._hear_backward(output)
+        s = self.now
+        if not s.light or self.tape.paused or in_backward_recompute():
+            return
+        outs = [t for t in tensors(output) if t.is_floating_point()]
+        # Positional inputs only, as for every module: keyword ones are often masks that
+        # hold -inf on purpose.
+        outs = s.trail.forward(s.buf, name, tensors(args), outs, nan_inputs=True)
+        if outs and torch.is_grad_enabled():
+            for t in outs:
+                if t.requires_grad:
+                    self._hooks.tensor(t, functools.partial(self._on_edge_grad, name))
+
+    def _hear_backward(self, output: Any) -> None:
+        """A compiled graph ran the model: its backward calls no Python, so a hook on what
+        the call returned tells that a backward pass reached the model (its loss is the
+        step's)."""
+        for t in tensors(output):
+            if t.requires_grad and t.is_floating_point():
+                self._hooks.tensor(t, self._count_grad)
+
+    def _count_grad(self, grad: torch.Tensor) -> None:
+        self.grad_calls += 1
+
+    def _on_edge_grad(self, name: str, grad: torch.Tensor) -> None:
+        self.grad_calls += 1
+        s = self.now
+        s.trail.backward(s.buf, name, grad, edge=True)
+
+    def _on_container(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """What a container returns: a watched module's output that no container returns,
+        feeds nothing that one does, and gets no gradient, was detached or thrown away."""
+        s = self.now
+        s.hooks_ran = True
+        if torch.compiler.is_compiling():  # eager-only (``_compiled.py``)
+            return
+        if s.sampled and torch.is_grad_enabled() and not self.tape.paused:
+            s.returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)
+
+    def _hook_grads(self, name: str, outs: list[torch.Tensor]) -> None:
+        for t in outs:
+            if t.requires_grad:
+                self._hooks.tensor(t, functools.partial(self._on_grad, name))
+
+    def _on_grad(self, name: str, grad: torch.Tensor) -> None:
+        self.grad_calls += 1
+        s = self.now
+        s.got_grad.add(name)
+        s.trail.backward(s.buf, name, grad)
+        if s.sampled:
+            self._grads.backward(s.buf, name, grad)
+            if self._precision is not None:
+                self._precision.backward(s.buf, name, grad)

@@ -1,0 +1,80 @@
+"""The Monitor's hooks on the model's modules (``_monitor/_modules.py``): what one step's
+module calls write into the step's state, which calls count towards the statistics, and the
+state a replay's hooks write into instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hookscope as hs
+from models import ResNet, gpt2, images, token_ids
+
+
+def test_a_sampled_gpt2_step_records_each_output_that_needs_a_gradient_and_gets_it() -> None:
+    model = gpt2().train()
+    with hs.Monitor(model, every=1) as mon:
+        hooks = mon._module_hooks
+        model(token_ids(), labels=token_ids()).loss.backward()
+        state = hooks.now
+        assert state.sampled and state.hooks_ran and state.backward_ran
+        # Embeddings, norms, projections, dropouts: every watched module made an output
+        # needing a gradient, but the attention dropouts, which SDPA attention never calls.
+        uncalled = {n for n in mon.modules if n.endswith("attn.attn_dropout")}
+        assert len(uncalled) == 2 and set(state.made) == set(mon.modules) - uncalled
+        assert state.got_grad == set(state.made)  # the loss reached every one of them
+        assert hooks.grad_calls >= len(state.made)
+        names = [f.module for f in state.trail.flags if f.phase == "forward"]
+        assert names[:3] == ["transformer.wte", "transformer.wpe", "transformer.drop"]
+        assert names.index("transformer.h.0.ln_1") < names.index("transformer.h.1.ln_1")
+
+
+def test_an_unsampled_step_flags_only_the_models_edges_and_counts_their_gradient() -> None:
+    model = ResNet()
+    with hs.Monitor(model, every=None) as mon:
+        hooks = mon._module_hooks
+        model(images()).square().mean().backward()
+        state = hooks.now
+    assert state.light and not state.made and not state.got_grad
+    assert {(f.module, f.phase) for f in state.trail.flags if f.phase != "param"} == {
+        ("", "input"),
+        ("", "forward"),
+        ("", "backward"),
+    }
+    assert hooks.grad_calls == 1  # the one gradient that reached the model's output
+
+
+def test_a_call_counts_towards_the_statistics_on_sampled_training_steps_only() -> None:
+    model = ResNet()
+    with hs.Monitor(model, every=2) as mon:
+        hooks = mon._module_hooks
+        assert hooks.measures(model.conv1)
+        hooks.tape.paused = True  # a replay of ours
+        assert not hooks.measures(model.conv1)
+        hooks.tape.paused = False
+        model.eval()
+        assert not hooks.measures(model.conv1)
+        model.train()
+        mon.step()  # step 1: not sampled
+        assert not hooks.measures(model.conv1)
+
+
+def test_a_flagged_replay_writes_into_its_own_state_and_hands_the_steps_back() -> None:
+    model = ResNet()
+    with hs.Monitor(model, every=None) as mon:
+        hooks = mon._module_hooks
+        step_state = hooks.now
+        with pytest.raises(RuntimeError, match="mid-replay"):
+            with hooks.flagging() as replay:
+                assert hooks.now is replay and replay.flagging and not replay.light
+                hooks.tape.paused = True  # as under the op tracer: the hooks still write
+                try:
+                    with torch.no_grad():
+                        model(images())
+                finally:
+                    hooks.tape.paused = False
+                raise RuntimeError("mid-replay")
+        assert hooks.now is step_state and not step_state.trail.flags
+    modules = [f.module for f in replay.trail.flags if f.phase == "forward"]  # every one
+    assert modules[:2] == ["conv1", "bn1"] and set(modules) <= set(mon.modules)
+    assert len(set(modules)) > 10
