@@ -12,7 +12,6 @@ torch's global step hooks (``_optim.py``).
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -30,11 +29,12 @@ from .._select import Where, select
 from .._sinks import Sink
 from .._stats import Sampler
 from ._attention import Attention
+from ._buffer import Host
 from ._calls import listen
 from ._checks import Checks, Context
 from ._compiled import CompiledProbes
 from ._decide import NonFiniteDecision, nonfinite_error
-from ._dist import Collective, Entry
+from ._dist import Collective, Entry, RankInfo
 from ._heard import Ears
 from ._modules import ModuleHooks
 from ._optim import OptimizerWatch
@@ -46,6 +46,9 @@ from ._options import (
     is_leaf,
     split_scalars,
     thresholds_from,
+)
+from ._options import (
+    settings as settings_of,
 )
 from ._output import Output
 from ._precision import Precision
@@ -265,23 +268,14 @@ class Monitor:
             )
             self._stop_listening = listen(self._listener)
             self._out.open(log_dir)
-            settings = {
-                "every": every,
-                "sample": sample,
-                "on_nonfinite": on_nonfinite,
-                "histograms": histograms,
-                "bins": bins,
-                "thresholds": asdict(self.thresholds),
-                "precision": self._precision.names if self._precision is not None else [],
-            }
-            if self._coll is not None:
-                layout = {
-                    "modules": watched,
-                    "params": shapes,
-                    "bn": list(self._bns.modules),
-                    "settings": settings,
-                }
-                self._coll.handshake(json.dumps(layout, sort_keys=True, default=str))
+            names = self._precision.names if self._precision is not None else []
+            settings = settings_of(
+                every, sample, on_nonfinite, histograms, bins, self.thresholds, names
+            )
+            if self._coll is not None:  # every rank built the same Monitor
+                self._coll.handshake(
+                    modules=watched, params=shapes, bn=list(self._bns.modules), settings=settings
+                )
         except BaseException:
             self.close()
             raise
@@ -465,26 +459,8 @@ class Monitor:
         """
         check_batch_indices(batch_indices)
         s, step = self._now, self.step_count
-        given, plain = split_scalars({**s.heard.scalars(), **scalars})
-        for key, value in given.items():
-            s.buf.set(("scalar", key), value)
-        if s.sampled:
-            self._params.collect(s.buf)
-            self._bns.collect(s.buf)
-        self._checks.collect(s.buf, s.sampled)
-        tensor_scalars = sorted(given)
-        host, info = self._transfer.step(s, tensor_scalars, step)
-        record = StepRecord(step, time.time(), s.sampled, self._model.training)
-        record.scalars = {k: host[("scalar", k)][0] / self._world for k in tensor_scalars}
-        record.scalars.update(plain)
-        record.scalars.update(self._optim.learning_rates())
+        record, host, info = self._measure(s, scalars)
         scale = record.scalars.get("grad_scale")
-        if s.sampled:
-            self._grads.unscale(scale)
-            probes = (self._acts, self._grads, self._params, self._bns, self._precision)
-            for probe in (*probes, self._attention):
-                if probe is not None:
-                    probe.read(host, record)
         found, poisoned = self._decision.at_step(s, host, info, step, self.findings, scale)
         found += self._diagnosis.training_step(step, record.scalars, updates=s.updates - s.skipped)
         if s.sampled:
@@ -493,12 +469,7 @@ class Monitor:
         self._out.write(record.to_dict())
         if s.sampled:
             self._warnings.unhooked(s, step, type(self._model).__name__)
-        spike = self._spikes.observe(step, record.scalars, host)
-        if spike is not None:
-            self._out.write(asdict(spike.window))
-            found.append(spike.finding)
-            if self._skip is not None:
-                self._skip.add(step, spike.finding.value, batch_list(batch_indices))
+        found += self._spiked(record, host, batch_indices)
         found += self._checks.read(host, record)  # after the step: its eval record follows
         new = self._out.report(found, step, before_update=s.updates == 0)
         self._out.clear()
@@ -511,6 +482,43 @@ class Monitor:
         if self.on_nonfinite == "raise" and s.nonfinite is not None and s.nonfinite in new:
             raise nonfinite_error(s.nonfinite)
         return s.early + new
+
+    def _measure(
+        self, s: StepState, scalars: dict[str, Any]
+    ) -> tuple[StepRecord, Host, RankInfo | None]:
+        """The step's record: the scalars heard and given, and what every probe measured,
+        from the step's one transfer (also its host values and what it told of the ranks)."""
+        given, plain = split_scalars({**s.heard.scalars(), **scalars})
+        for key, value in given.items():
+            s.buf.set(("scalar", key), value)
+        if s.sampled:
+            self._params.collect(s.buf)
+            self._bns.collect(s.buf)
+        self._checks.collect(s.buf, s.sampled)
+        tensor_scalars = sorted(given)
+        host, info = self._transfer.step(s, tensor_scalars, self.step_count)
+        record = StepRecord(self.step_count, time.time(), s.sampled, self._model.training)
+        record.scalars = {k: host[("scalar", k)][0] / self._world for k in tensor_scalars}
+        record.scalars.update(plain)
+        record.scalars.update(self._optim.learning_rates())
+        if s.sampled:
+            self._grads.unscale(record.scalars.get("grad_scale"))
+            probes = (self._acts, self._grads, self._params, self._bns, self._precision)
+            for probe in (*probes, self._attention):
+                if probe is not None:
+                    probe.read(host, record)
+        return record, host, info
+
+    def _spiked(self, record: StepRecord, host: Host, batch_indices: Any) -> list[Finding]:
+        """The ``loss_spike`` finding, when the rolling window (``_signals.py``) sees one:
+        its window goes to the log and its batch to ``skip_list``."""
+        spike = self._spikes.observe(record.step, record.scalars, host)
+        if spike is None:
+            return []
+        self._out.write(asdict(spike.window))
+        if self._skip is not None:
+            self._skip.add(record.step, spike.finding.value, batch_list(batch_indices))
+        return [spike.finding]
 
     def _probe_layout(self, rank: int) -> list[Entry]:
         """What the probes put in a sampled step's collective."""

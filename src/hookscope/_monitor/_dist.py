@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -119,10 +121,11 @@ class Collective:
             self.device = torch.device("cpu")
         self._layouts: dict[tuple[bool, tuple[str, ...]], list[Entry]] = {}
 
-    def handshake(self, description: str) -> None:
-        """Check that every rank built a Monitor on the same model with the same settings;
-        a clear error (not a hang) when they did not."""
-        mine = digest(description)
+    def handshake(self, **description: Any) -> None:
+        """Check that every rank built a Monitor on the same model with the same settings
+        (``description``: its modules, parameters, settings, in JSON); a clear error (not a
+        hang) when they did not."""
+        mine = digest(json.dumps(description, sort_keys=True, default=str))
         vector = self._slot(torch.tensor([mine], dtype=torch.float64, device=self.device))
         work = dist.all_reduce(vector, async_op=True)
         try:

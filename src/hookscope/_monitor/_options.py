@@ -20,6 +20,7 @@ __all__ = [
     "check_options",
     "device_of",
     "is_leaf",
+    "settings",
     "split_scalars",
     "thresholds_from",
 ]
@@ -55,6 +56,28 @@ def thresholds_from(
                 f"threshold fields (see hs.Thresholds): {', '.join(names)}."
             )
     return Thresholds(**{**asdict(base or Thresholds()), **overrides})
+
+
+def settings(
+    every: int | None,
+    sample: int | None,
+    on_nonfinite: str,
+    histograms: bool,
+    bins: int,
+    thresholds: Thresholds,
+    precision: list[str],
+) -> dict[str, Any]:
+    """The Monitor's settings, as the log's header records them and the ranks' handshake
+    compares them."""
+    return {
+        "every": every,
+        "sample": sample,
+        "on_nonfinite": on_nonfinite,
+        "histograms": histograms,
+        "bins": bins,
+        "thresholds": asdict(thresholds),
+        "precision": precision,
+    }
 
 
 def is_leaf(name: str, module: nn.Module) -> bool:

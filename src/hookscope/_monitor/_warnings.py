@@ -48,7 +48,7 @@ class Warnings:
             "found there is localised on this rank only (on_nonfinite='raise'/'skip' decide "
             "per rank). Parameter statistics, the loss and the checks are combined as usual. "
             "For combined figures, watch an eager twin.",
-            stacklevel=5,  # _once, this, Transfer.step, Monitor.step, the script
+            stacklevel=6,  # _once, this, Transfer.step, Monitor._measure, Monitor.step, the script
         )
 
     def _once(self, key: str, message: str, *, stacklevel: int) -> None:
