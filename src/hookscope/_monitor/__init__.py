@@ -42,6 +42,7 @@ from ._options import (
     batch_list,
     check_batch_indices,
     check_options,
+    check_record_dir,
     device_of,
     is_leaf,
     split_scalars,
@@ -212,11 +213,7 @@ class Monitor:
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
         self._make_probes(model, sampler, bins if histograms else None, precision)
         sharded = any(v is not None for v in self._params.sharded.values())
-        if sharded and record_dir is not None:
-            raise ValueError(
-                "record_dir= does not support sharded (FSDP2) parameters yet: the replay "
-                "bundle holds the whole model's state. Leave record_dir unset."
-            )
+        check_record_dir(record_dir, sharded)
         shapes = {n: list(p.shape) for n, p in self._params.params.items()}
         watched = {n: type(m).__name__ for n, m in self.modules.items()}
         types = {n: type(m).__name__ for n, m in model.named_modules()}

@@ -18,6 +18,7 @@ __all__ = [
     "batch_list",
     "check_batch_indices",
     "check_options",
+    "check_record_dir",
     "device_of",
     "is_leaf",
     "settings",
@@ -38,6 +39,15 @@ def check_options(every: int | None, on_nonfinite: str, log_dir: str | Path | No
         raise HookscopeError(
             f"log_dir={str(log_dir)!r} is a file, not a directory.\nFix: pass a directory "
             "for the run's log (it is created when missing), e.g. log_dir='runs/exp1'."
+        )
+
+
+def check_record_dir(record_dir: str | Path | None, sharded: bool) -> None:
+    """The flight recorder needs the whole model's state: no sharded parameters."""
+    if sharded and record_dir is not None:
+        raise ValueError(
+            "record_dir= does not support sharded (FSDP2) parameters yet: the replay "
+            "bundle holds the whole model's state. Leave record_dir unset."
         )
 
 
