@@ -130,5 +130,4 @@ class Ears:
             self._hooks.now.heard.clip_norms.append((total_norm.detach(), p))
 
     def _concerns(self, params: list[torch.Tensor]) -> bool:
-        owned = self._params._name
-        return any(id(p) in owned for p in params)
+        return self._params.owns_any(params)

@@ -391,6 +391,10 @@ class Params:
             if id(p) in self._name
         ]
 
+    def owns_any(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``params`` is one of this model's trainable parameters."""
+        return any(id(p) in self._name for p in params)
+
     def read_grads(self, buf: StepBuffer, names: Iterable[str], *, stepped: bool = False) -> None:
         """Gradient norms; with ``stepped`` (an optimizer steps these), a parameter without
         a gradient is noted as such."""
