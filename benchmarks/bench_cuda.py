@@ -133,6 +133,17 @@ def train(
     return [r for r in mon.records if r["type"] == "step"] if mon is not None else []
 
 
+def one_step(call: Any, loss_of: Callable, opt: Any, mon: Any) -> torch.Tensor:
+    """A training step of ``call`` (the model, or its compiled wrapper), then ``mon.step``."""
+    loss = loss_of(call)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if mon is not None:
+        mon.step(loss=loss)
+    return loss
+
+
 # -- parts -------------------------------------------------------------------------------------
 
 
@@ -276,12 +287,7 @@ def syncs_of(device: str, monitor: dict | None, compiled: bool, steps: int = 12)
         for step in range(steps):
             count = SyncCounter()
             with count():
-                loss = loss_of(call)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if mon is not None:
-                    mon.step(loss=loss)
+                loss = one_step(call, loss_of, opt, mon)
             loss.item()  # the script's own read, outside the count
             if step >= 3:  # compiled: warm
                 sampled = mon is not None and every is not None and step % every == 0
@@ -355,13 +361,7 @@ def part_cudagraphs(device: str) -> dict:
             times = []
             for step in range(14):
                 t0 = time.perf_counter()
-                loss = loss_of(call)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if mon is not None:
-                    mon.step(loss=loss)
-                loss.item()
+                one_step(call, loss_of, opt, mon).item()
                 if step >= 4:
                     times.append(time.perf_counter() - t0)
             if mon is not None:
