@@ -13,7 +13,7 @@ import torch._dynamo
 from torch import nn
 
 import hookscope as hs
-from hookscope._monitor._probes import TOP_CHANNELS
+from hookscope._monitor._outputs import TOP_CHANNELS
 from models import gpt2, token_ids
 
 pytestmark = [  # Dynamo's own warnings under our "error" filter (as in test_compile.py)

@@ -1,8 +1,8 @@
 """Monitor: layer-by-layer training health at the cost of a bare training step.
 
 The Monitor only orchestrates. While a step runs, its hooks write the step's state
-(``_step.py``): probes (``_probes.py``) and the non-finite trail (``_nonfinite.py``) put small
-device tensors into the step's :class:`StepBuffer`. ``step()`` moves the buffer to the host in
+(``_step.py``): probes (``_outputs.py``, ``_probes.py``) and the non-finite trail
+(``_nonfinite.py``) put small device tensors into the step's :class:`StepBuffer`. ``step()`` moves the buffer to the host in
 one transfer (``_transfer.py``), has each probe fill its part of a typed :class:`StepRecord`
 (``_log.py``), has the non-finite decision (``_decide.py``) and the diagnosis judge the step,
 and writes the records and findings out (``_output.py``). The optimizers are found through
@@ -52,8 +52,9 @@ from ._options import (
     settings as settings_of,
 )
 from ._output import Output
+from ._outputs import Activations, OutputGrads
 from ._precision import Precision
-from ._probes import Activations, BatchNorms, OutputGrads, Params
+from ._probes import BatchNorms, Params
 from ._replay import write_bundle  # safetensors itself is imported when a bundle is written
 from ._signals import SkipList, SpikeWatch
 from ._step import StepState
@@ -281,8 +282,8 @@ class Monitor:
     def _make_probes(
         self, model: nn.Module, sampler: Sampler, bins: int | None, precision: Sequence[str]
     ) -> None:
-        """What the Monitor measures (``_probes.py``, ``_compiled.py``, ``_precision.py``,
-        ``_signals.py``): device tensors into the step's buffer."""
+        """What the Monitor measures (``_outputs.py``, ``_probes.py``, ``_compiled.py``,
+        ``_precision.py``, ``_signals.py``): device tensors into the step's buffer."""
         dead_min = (self.thresholds.dead_min_units, self.thresholds.dead_min_samples)
         dead_at = self.thresholds.dead_unit
         self._acts = Activations(

@@ -44,6 +44,7 @@ __all__ = [
     "Entry",
     "RankInfo",
     "digest",
+    "from_rank0",
     "local",
     "sharded_contributes",
 ]
@@ -304,3 +305,9 @@ def _info(blocks: list[float], world: int, width: int) -> RankInfo:
 def digest(text: str) -> float:
     """A float64-exact digest of ``text`` (48 bits), to compare across ranks."""
     return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big"))
+
+
+def from_rank0(rank: int) -> str:
+    """The combining rule that keeps rank 0's value (a histogram, the top channels): summed
+    from rank 0 alone, every other rank's slot left out."""
+    return "sum" if rank == 0 else "none"

@@ -26,8 +26,8 @@ from .._hooks import HookSet, in_backward_recompute
 from .._tree import tensors
 from ._compiled import CompiledProbes
 from ._nonfinite import PASS_THROUGH
+from ._outputs import Activations, OutputGrads
 from ._precision import Precision
-from ._probes import Activations, OutputGrads
 from ._step import StepState
 from ._trace import Tape
 

@@ -19,7 +19,7 @@ from torch import nn
 from ._buffer import Host
 from ._compiled import CompiledProbes
 from ._dist import Collective, Entry, RankInfo, digest
-from ._probes import Activations, OutputGrads
+from ._outputs import Activations, OutputGrads
 from ._step import StepState
 from ._trace import Tape
 from ._warnings import Warnings

@@ -1,0 +1,423 @@
+"""What a Monitor measures of module outputs and their gradients, on sampled steps.
+
+The hooks only take each output's (and each output gradient's) sample and keep it in the
+step's :class:`StepBuffer`; at the step's end :meth:`Activations.collect` settles the buffer
+and every module's statistics come from one pass over a zero-padded ``(rows, width)`` tensor
+of the samples (``_stats.Rows``), combined per module over its calls, under the keys that
+:meth:`read` and :meth:`layout` use. ``sample=None`` measures in the hook, with the same row
+functions. After the one host transfer each probe fills its part of the
+:class:`StepRecord`.
+"""
+
+import itertools
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._log import StepRecord
+from .._stats import (
+    MOMENTS,
+    SAT_MARGIN,
+    Plan,
+    Rows,
+    Sampler,
+    channel_dim,
+    dead_fraction,
+    histogram,
+    plan_for,
+    row_extremes,
+    row_moments,
+)
+from ._buffer import Host, StepBuffer
+from ._dist import Entry, from_rank0
+
+__all__ = ["TOP_CHANNELS", "Activations", "OutputGrads"]
+
+TOP_CHANNELS = 4  # outlier channels kept per module and sampled step
+
+
+class _Out(NamedTuple):
+    """A module output's sample, kept until the step's end."""
+
+    name: str
+    x: torch.Tensor  # the sample (float32 or float64)
+    numel: int  # the output's size
+    shape: tuple[int, ...]
+    channels: tuple[torch.Tensor, int] | None  # each sampled value's channel, how many
+
+
+class _Grad(NamedTuple):
+    """An output gradient's sample, kept until the step's end."""
+
+    name: str
+    x: torch.Tensor
+    numel: int
+
+
+class Activations:
+    """Moments, extremes, zero/saturated/dead fractions and histograms of module outputs.
+
+    On a sampled step each output's hook only takes its sample (at most ``sample`` elements)
+    and keeps it in the step's buffer; at the step's end :meth:`collect` computes every
+    module's statistics from all the samples at once (:meth:`_finish`: a few ops on one
+    padded tensor, not a few per output). With ``sample=None`` the sample is the whole
+    output: its statistics are computed at once in the hook, nothing is kept.
+    """
+
+    def __init__(
+        self,
+        modules: dict[str, nn.Module],
+        sampler: Sampler,
+        *,
+        dead_at: float,
+        dead_min: tuple[int, int] = (1, 1),
+        bins: int | None,
+    ) -> None:
+        self.plans: dict[str, Plan] = {name: plan_for(m) for name, m in modules.items()}
+        self.sampler, self.dead_at, self.bins = sampler, dead_at, bins
+        self.min_units, self.min_samples = dead_min
+        self.rows = Rows()
+
+    def forward(self, buf: StepBuffer, name: str, outs: list[torch.Tensor]) -> None:
+        plan = self.plans[name]
+        first = None
+        for t in outs:
+            t = t.detach()
+            if not t.numel():
+                self._empty(buf, name, t)
+                continue
+            exact = self.sampler.k is None  # the whole output: measured now, not kept
+            x = self.sampler.exact(t) if exact else self.sampler.keep(t)
+            first = x if first is None else first
+            channels = None
+            if t.dim() >= 2 and t.shape[channel_dim(t)] >= 2:
+                if exact:
+                    _channels(buf, name, self.sampler.channel_amax(t, x))
+                else:
+                    channels = self.sampler.channel_ids(t)
+            out = _Out(name, x, t.numel(), tuple(t.shape), channels)
+            if exact:
+                self._finish(buf, [out])
+            else:
+                buf.keep(self._finish, out)
+            if plan.dead and t.dim() >= 2:
+                units = self.sampler.units(t)
+                if units.shape[1] >= self.min_units and units.shape[0] >= self.min_samples:
+                    buf.add(("act_dead", name), dead_fraction(units, self.dead_at), "max")
+        if self.bins and first is not None:
+            buf.set(("act_hist", name), histogram(first, self.bins))
+
+    @staticmethod
+    def _empty(buf: StepBuffer, name: str, t: torch.Tensor) -> None:
+        """An output with no elements: counted, with nothing in it."""
+        zero = t.new_zeros((), dtype=torch.float32)
+        buf.add(("act", name), t.new_zeros(len(MOMENTS), dtype=torch.float32))
+        buf.add(("act_min", name), zero, "min")
+        buf.add(("act_max", name), zero, "max")
+        buf.add(("act_numel", name), zero)
+
+    def _finish(self, buf: StepBuffer, outs: list[_Out]) -> None:
+        """Every kept sample's statistics in one pass per dtype: moments, extremes and
+        channel maxima of each row, combined over the calls of each module."""
+        groups: dict[torch.dtype, list[_Out]] = {}
+        for out in outs:
+            groups.setdefault(out.x.dtype, []).append(out)
+        for group in groups.values():
+            self._finish_group(buf, group)
+
+    def _finish_group(self, buf: StepBuffer, outs: list[_Out]) -> None:
+        rows, mask, n = self.rows.pad([o.x for o in outs])
+        device, dtype = rows.device, rows.dtype
+        layout = tuple((o.name, o.shape, o.x.numel()) for o in outs)
+        names, slot, calls = _slots([o.name for o in outs])
+        bounds = None
+        if any(self.plans[o.name].bounds is not None for o in outs):
+            lo, hi = zip(*(_sat_limits(self.plans[o.name].bounds) for o in outs), strict=True)
+            bounds = (
+                self.rows.const(lo, device, dtype)[:, None],
+                self.rows.const(hi, device, dtype)[:, None],
+            )
+        numel = self.rows.const(tuple(float(o.numel) for o in outs), device)
+        sums = torch.cat([row_moments(rows, mask, n, bounds), numel[:, None]], 1)
+        extremes = row_extremes(rows, mask)
+        if len(names) < len(outs):  # a module called more than once: combine its calls
+            sums = sums.new_zeros(len(names), sums.shape[1]).index_add_(
+                0, self.rows.const(slot, device, torch.long), sums
+            )
+            extremes = _combine_calls(self.rows, extremes, calls)
+        width = len(MOMENTS)
+        moments_ = sums[:, :width].unbind(0)
+        numels = sums[:, width].unbind(0)
+        lows, highs = extremes[:, 0].unbind(0), extremes[:, 1].unbind(0)
+        for i, name in enumerate(names):
+            buf.add(("act", name), moments_[i])
+            buf.add(("act_min", name), lows[i], "min")
+            buf.add(("act_max", name), highs[i], "max")
+            buf.add(("act_numel", name), numels[i])
+        self._finish_channels(buf, outs, rows, layout)
+
+    def _finish_channels(
+        self, buf: StepBuffer, outs: list[_Out], rows: torch.Tensor, layout: tuple
+    ) -> None:
+        """Each channel's largest magnitude over its module's samples: one scatter for every
+        row into one vector of every module's channels (a module's first call fixes its
+        channels; a later call with another count of them is left out)."""
+        sizes: dict[str, int] = {}
+        for o in outs:
+            if o.channels is not None and o.name not in sizes:
+                old = buf.value(("act_chan", o.name))  # from an earlier pass this step
+                sizes[o.name] = o.channels[1] if old is None else old.numel()
+        if not sizes:
+            return
+        starts = dict(zip(sizes, itertools.accumulate([0, *sizes.values()]), strict=False))
+        total = sum(sizes.values())
+
+        def index() -> torch.Tensor:  # padded position -> its channel (``total``: none)
+            width = rows.shape[1]
+            parts = []
+            for o in outs:
+                ids = None
+                if o.channels is not None and o.channels[1] == sizes[o.name]:
+                    ids = o.channels[0] + starts[o.name]
+                if ids is None:
+                    ids = torch.full((0,), total, dtype=torch.long, device=rows.device)
+                parts.append(F.pad(ids, (0, width - ids.numel()), value=total))
+            return torch.stack(parts).reshape(-1)
+
+        key = ("channels", layout, tuple(sizes.values()), rows.shape[1], rows.device)
+        where = self.rows.cached(key, index)
+        amax = rows.new_zeros(total + 1).scatter_reduce_(0, where, rows.reshape(-1).abs(), "amax")
+        blocks = amax[:total].float().split(list(sizes.values()))
+        for name, block in zip(sizes, blocks, strict=True):
+            _channels(buf, name, block)
+
+    def collect(self, buf: StepBuffer) -> None:
+        """Every kept sample's statistics (the buffer's kept samples: this probe's and the
+        others'); then only the top channels travel: their largest magnitudes and their
+        indices, padded to ``TOP_CHANNELS`` (index -1)."""
+        buf.settle()
+        names, values = [], []
+        for name in self.plans:
+            amax = buf.take(("act_chan", name))
+            if amax is not None:
+                names.append(name)
+                values.append(amax)
+        if not names:
+            return
+        pad = max(TOP_CHANNELS - max(v.numel() for v in values), 0)
+        chans = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=-1.0)
+        chans = F.pad(chans, (0, pad), value=-1.0)
+        top, index = chans.topk(TOP_CHANNELS, dim=1)
+        kept = ~(top < 0)  # not padding (a NaN maximum is kept, as topk ranks it first)
+        tops = torch.cat(
+            [torch.where(kept, top, 0.0), torch.where(kept, index, -1).to(top.dtype)], 1
+        )
+        for name, row in zip(names, tops.unbind(0), strict=True):
+            buf.set(("act_top", name), row)
+
+    def layout(self, rank: int) -> list[Entry]:
+        """Keys and combining rules, for a collective across ranks (histograms and top
+        channels: rank 0's)."""
+        entries = []
+        for name in self.plans:
+            entries += [
+                Entry(("act", name), len(MOMENTS), "sum"),
+                Entry(("act_min", name), 1, "min"),
+                Entry(("act_max", name), 1, "max"),
+                Entry(("act_numel", name), 1, "sum"),
+                Entry(("act_dead", name), 1, "max"),
+            ]
+            entries.append(Entry(("act_top", name), 2 * TOP_CHANNELS, from_rank0(rank)))
+            if self.bins:
+                entries.append(Entry(("act_hist", name), self.bins + 2, from_rank0(rank)))
+        return entries
+
+    def read(self, host: Host, record: StepRecord) -> None:
+        for name in self.plans:
+            sums = host.get(("act", name))
+            if sums is None:
+                continue
+            m = dict(zip(MOMENTS, sums, strict=True))
+            n = max(m["n"], 1.0)
+            mean = m["sum"] / n
+            var = max(m["sumsq"] / n - mean * mean, 0.0) if math.isfinite(mean) else math.nan
+            lo, hi = host[("act_min", name)][0], host[("act_max", name)][0]
+            stats = {
+                "mean": mean,
+                "std": math.sqrt(var) if math.isfinite(var) else math.nan,
+                "min": lo,
+                "max": hi,
+                "absmax": max(abs(lo), abs(hi)),
+                "zero_frac": m["zeros"] / n,
+                "sat_frac": m["sat"] / n,
+                "dead_frac": host.get(("act_dead", name), [0.0])[0],
+                "nan": int(m["nan"]),
+                "inf": int(m["inf"]),
+                "numel": int(host[("act_numel", name)][0]),
+                "sampled": int(m["n"]),
+                **_outliers(m, n, mean, var, max(abs(lo), abs(hi))),
+            }
+            hist = host.get(("act_hist", name))
+            if hist is not None:
+                stats["hist"] = {"lo": hist[0], "hi": hist[1], "counts": hist[2:]}
+            top = host.get(("act_top", name))
+            if top is not None:
+                kept = [
+                    (int(i), v)
+                    for v, i in zip(top[:TOP_CHANNELS], top[TOP_CHANNELS:], strict=True)
+                    if i >= 0
+                ]
+                stats["channels"] = {"index": [i for i, _ in kept], "absmax": [v for _, v in kept]}
+            record.act[name] = stats
+
+
+class OutputGrads:
+    """Norm, RMS and largest magnitude of the gradient of each module's output (divided by
+    the GradScaler scale that multiplied the loss, if any: the loss's own gradient)."""
+
+    def __init__(self, sampler: Sampler, names: Iterable[str], *, world: int = 1) -> None:
+        self.sampler = sampler
+        self.names = list(names)
+        self.order: list[str] = []  # modules in the order their gradients arrived
+        self._seen: set[str] = set()  # of those, this step's (their samples wait)
+        self.rows = Rows()
+        # Data-parallel training averages the ranks' losses: the gradient of the global loss
+        # with respect to one rank's output is that rank's gradient divided by the world.
+        self.scale = 1.0 / world
+        self.loss_scale = 1.0  # a GradScaler's, this step: the hooks see scaled gradients
+
+    def backward(self, buf: StepBuffer, name: str, grad: torch.Tensor) -> None:
+        """Keep the gradient's sample for :meth:`_finish` at the step's end (with
+        ``sample=None``: its whole, measured now)."""
+        if name not in self._seen:
+            self.order.append(name)
+            self._seen.add(name)
+        grad = grad.detach()
+        if not grad.numel():
+            buf.add(("grad", name), grad.new_zeros(3, dtype=torch.float32))
+            buf.add(("grad_absmax", name), grad.new_zeros((), dtype=torch.float32), "max")
+        elif self.sampler.k is None:
+            self._finish(buf, [_Grad(name, self.sampler.exact(grad), grad.numel())])
+        else:
+            buf.keep(self._finish, _Grad(name, self.sampler.keep(grad), grad.numel()))
+
+    def _finish(self, buf: StepBuffer, grads: list[_Grad]) -> None:
+        """Every kept sample's sum of squares and largest magnitude, in one pass per dtype,
+        combined over the gradients of each module."""
+        groups: dict[torch.dtype, list[_Grad]] = {}
+        for g in grads:
+            groups.setdefault(g.x.dtype, []).append(g)
+        for group in groups.values():
+            rows, _, n = self.rows.pad([g.x for g in group])
+            device = rows.device
+            numel = self.rows.const(tuple(float(g.numel) for g in group), device)
+            # the padding is zeros: nothing to mask for a sum of squares or a magnitude
+            sums = torch.stack([rows.square().sum(1).float(), n.float(), numel], 1)
+            absmax = rows.abs().amax(1).float()
+            names, slot, calls = _slots([g.name for g in group])
+            if len(names) < len(group):
+                sums = sums.new_zeros(len(names), 3).index_add_(
+                    0, self.rows.const(slot, device, torch.long), sums
+                )
+                absmax = _combine_calls(self.rows, absmax[:, None], calls, high=True)[:, 0]
+            for name, row, big in zip(names, sums.unbind(0), absmax.unbind(0), strict=True):
+                buf.add(("grad", name), row)
+                buf.add(("grad_absmax", name), big, "max")
+
+    def layout(self) -> list[Entry]:
+        entries = []
+        for name in self.names:
+            entries += [Entry(("grad", name), 3, "sum"), Entry(("grad_absmax", name), 1, "max")]
+        return entries
+
+    def read(self, host: Host, record: StepRecord) -> None:
+        if len(self.order) < len(self.names):  # modules other ranks' gradients reached
+            self.order += [n for n in self.names if ("grad", n) in host and n not in self.order]
+        for name in self.order:
+            sumsq, n, numel = host[("grad", name)]
+            scale = self.scale / self.loss_scale
+            ms = sumsq / max(n, 1.0) * scale**2
+            record.grad[name] = {
+                "norm": math.sqrt(ms * numel),
+                "rms": math.sqrt(ms),
+                "absmax": host[("grad_absmax", name)][0] * scale,
+                "numel": int(numel),
+                "sampled": int(n),
+            }
+        record.grad_order = list(self.order)
+
+    def unscale(self, loss_scale: float | None) -> None:
+        """This step's loss was multiplied by ``loss_scale`` (a GradScaler's): divide the
+        gradients by it when reading them, so that they are the loss's own."""
+        ok = loss_scale is not None and math.isfinite(loss_scale) and loss_scale > 0
+        self.loss_scale = loss_scale if ok else 1.0
+
+    def reset(self) -> None:
+        self.order.clear()
+        self._seen.clear()
+        self.loss_scale = 1.0
+
+
+def _channels(buf: StepBuffer, name: str, amax: torch.Tensor) -> None:
+    """Each channel's largest magnitude over the sample, the max over calls (a call with
+    another count of channels than the first is left out)."""
+    old = buf.value(("act_chan", name))
+    if old is None or old.shape == amax.shape:
+        buf.add(("act_chan", name), amax, "max")
+
+
+def _slots(names: list[str]) -> tuple[list[str], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The distinct ``names`` in order, each row's index among them, and each one's rows."""
+    distinct: dict[str, list[int]] = {}
+    for row, name in enumerate(names):
+        distinct.setdefault(name, []).append(row)
+    slot = {name: i for i, name in enumerate(distinct)}
+    return list(distinct), tuple(slot[n] for n in names), tuple(map(tuple, distinct.values()))
+
+
+def _combine_calls(
+    rows: Rows, extremes: torch.Tensor, calls: tuple[tuple[int, ...], ...], *, high: bool = False
+) -> torch.Tensor:
+    """Per module, the min (column 0) and max (column 1) of ``extremes`` over its rows
+    (``calls``: each module's rows); ``high``: the max of the only column. NaN wins, as
+    in ``torch.minimum``/``maximum``."""
+    width = max(len(c) for c in calls)
+    pad = extremes.shape[0]  # the index of the neutral row appended below
+
+    def index() -> torch.Tensor:
+        padded = [list(c) + [pad] * (width - len(c)) for c in calls]
+        return torch.tensor(padded, dtype=torch.long, device=extremes.device)
+
+    where = rows.cached(("calls", calls, extremes.device), index)
+    if high:
+        neutral = extremes.new_full((1, 1), -math.inf)
+        return torch.cat([extremes, neutral])[where].amax(1)
+    neutral = torch.stack([extremes.new_full((), math.inf), extremes.new_full((), -math.inf)])
+    both = torch.cat([extremes, neutral[None]])[where]  # (modules, calls, 2)
+    return torch.stack([both[..., 0].amin(1), both[..., 1].amax(1)], 1)
+
+
+def _sat_limits(bounds: tuple[float, float] | None) -> tuple[float, float]:
+    """A row's saturation limits: within ``SAT_MARGIN`` of its activation's bounds; NaN
+    (no value compares true) for an unbounded one."""
+    if bounds is None:
+        return math.nan, math.nan
+    return bounds[0] + SAT_MARGIN, bounds[1] - SAT_MARGIN
+
+
+def _outliers(m: dict[str, float], n: float, mean: float, var: float, absmax: float) -> dict:
+    """Kurtosis (fourth central moment over the squared variance; 3 for a normal, far above
+    for a few huge channels) and the largest magnitude over the RMS, from the sample's raw
+    moments (NaN where they are not finite or the values are constant)."""
+    rms = math.sqrt(max(m["sumsq"] / n, 0.0)) if math.isfinite(m["sumsq"]) else math.nan
+    e3, e4 = m["cube"] / n, m["quad"] / n
+    fourth = e4 - 4 * mean * e3 + 6 * mean**2 * (m["sumsq"] / n) - 3 * mean**4
+    ok = math.isfinite(fourth) and math.isfinite(var) and var > 0
+    return {
+        "kurtosis": max(fourth, 0.0) / var**2 if ok else math.nan,
+        "absmax_over_rms": absmax / rms if math.isfinite(rms) and rms > 0 else math.nan,
+    }
