@@ -175,31 +175,19 @@ def _gcd(a: int, b: int) -> int:
 
 @torch.no_grad()
 def moments(x: torch.Tensor, bounds: tuple[float, float] | None) -> torch.Tensor:
-    """``MOMENTS`` of a 1-D sample, float32 (float64 for float64 input), on its device."""
+    """``MOMENTS`` of a 1-D sample, float32, on its device: :func:`row_moments` of one row
+    (a compiled graph's probe measures one output at a time)."""
     x = x.detach()
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
-    finite = torch.isfinite(x)
-    nan = torch.isnan(x).sum()
-    sat = (
-        ((x <= bounds[0] + SAT_MARGIN) | (x >= bounds[1] - SAT_MARGIN)).sum()
-        if bounds is not None
-        else nan.new_zeros(())
-    )
-    square = x.square()
-    return torch.stack(
-        [
-            x.sum(),
-            square.sum(),
-            (square * x).sum(),  # third and fourth moments: kurtosis, on the same sample
-            square.square().sum(),
-            (x == 0).sum().to(x.dtype),
-            sat.to(x.dtype),
-            nan.to(x.dtype),
-            (x.numel() - finite.sum() - nan).to(x.dtype),
-            x.new_full((), float(x.numel())),
-        ]
-    ).float()
+    limits = None
+    if bounds is not None:
+        limits = (
+            x.new_full((1, 1), bounds[0] + SAT_MARGIN),
+            x.new_full((1, 1), bounds[1] - SAT_MARGIN),
+        )
+    n = x.new_full((1,), float(x.numel()))
+    return row_moments(x.reshape(1, -1), None, n, limits)[0]
 
 
 class Rows:
