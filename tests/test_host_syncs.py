@@ -91,3 +91,49 @@ def test_a_monitored_step_reads_nothing_from_the_device_the_bare_step_does_not(
     bare = host_ops_per_step(make, data, loss_of)
     watched = host_ops_per_step(make, data, loss_of, every=every)
     assert watched == bare  # step by step, sampled (even) and unsampled (odd) alike
+
+
+def transfers_per_step(every: int | None, given: Callable[[torch.Tensor], Any]) -> list[int]:
+    """Device-to-host transfers of the Monitor's buffer in steps 2 to 5 of GPT-2 trained
+    with AdamW and gradient clipping, ``mon.step(loss=given(loss))``."""
+    from hookscope._monitor import _buffer
+
+    calls = []
+    real = _buffer._to_lists
+
+    def counted(values: list[torch.Tensor]) -> list[list[float]]:
+        calls.append(len(values))
+        return real(values)
+
+    make, data, loss_of = gpt2_case()
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counts = []
+    with pytest.MonkeyPatch.context() as patch, hs.Monitor(model, every=every) as mon:
+        patch.setattr(_buffer, "_to_lists", counted)
+        for step in range(6):
+            calls.clear()
+            loss = loss_of(model, data())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss=given(loss))
+            if step >= 2:
+                counts.append(len(calls))
+        assert [r["scalars"]["loss"] for r in mon.records if r.get("type") == "step"][-1] == (
+            pytest.approx(loss.item())
+        )
+    return counts
+
+
+@pytest.mark.parametrize(
+    "given", [lambda x: x, torch.Tensor.detach], ids=["loss", "loss.detach()"]
+)
+def test_an_unsampled_step_moves_its_values_once_before_the_update(given: Callable) -> None:
+    # The flags, the loss and the clip's norm go to the host together just before the
+    # optimizer's update; step() then has nothing left to move (one host sync, not two).
+    assert transfers_per_step(None, given) == [1, 1, 1, 1]
+    # Sampled steps (even) move again after the update, for the update ratios.
+    assert transfers_per_step(2, given) == [2, 1, 2, 1]

@@ -148,6 +148,24 @@ def test_an_update_that_never_reaches_the_weights_is_found_naming_the_weight() -
     assert all("learning rate is not the cause" in f.message for f in findings)
 
 
+def test_an_unsampled_steps_update_is_judged_at_the_next_step_naming_its_own() -> None:
+    # Unsampled steps read the verdict with the next step's first transfer (one host sync
+    # per step on a GPU, not two): found one step late, dated to the step it happened in.
+    torch.manual_seed(0)
+    model = bert().train()
+    opt = RebindingSGD(model.parameters(), lr=0.1)
+    returned = []
+    with hs.Monitor(model, every=None) as mon:
+        for _ in range(3):
+            opt.zero_grad()
+            model(token_ids(2, 8)).last_hidden_state[..., :4].sum().backward()
+            opt.step()
+            returned.append([f for f in mon.step() if f.kind == "not_updated"])
+    assert returned[0] == []
+    assert returned[1] and {f.step for f in returned[1]} == {0}
+    assert {f.step for f in found(mon, "not_updated")} == {0}
+
+
 def test_zero_learning_rate_skipped_steps_and_weight_decay_are_not_reported() -> None:
     torch.manual_seed(0)
     model = gpt2().train()

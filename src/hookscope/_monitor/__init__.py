@@ -404,6 +404,7 @@ class Monitor:
         s, decision = self._now, self._decision
         if s.nonfinite is None:
             if self._coll is None:
+                s.carry_scalars(split_scalars(s.heard.scalars())[0])
                 s.nonfinite = decision.localised(
                     s, self._transfer.to_host(s), self.step_count, self.findings
                 )
@@ -486,9 +487,11 @@ class Monitor:
     ) -> tuple[StepRecord, Host, RankInfo | None]:
         """The step's record: the scalars heard and given, and what every probe measured,
         from the step's one transfer (also its host values and what it told of the ranks)."""
-        given, plain = split_scalars({**s.heard.scalars(), **scalars})
+        named = {**s.heard.scalars(), **scalars}
+        given, plain = split_scalars(named)
         for key, value in given.items():
-            s.buf.set(("scalar", key), value)
+            if not s.was_carried(key, named[key]):  # moved before the update already
+                s.buf.set(("scalar", key), value)
         if s.sampled:
             self._params.collect(s.buf)
             self._bns.collect(s.buf)
@@ -548,6 +551,7 @@ class Monitor:
         self._optim.reset()
         self.step_count += 1
         self._module_hooks.now = self._new_state()
+        self._checks.begin(self._now.buf)
 
     # -- records and lifetime ----------------------------------------------------------------
     def log(self, type: str, **fields: Any) -> None:

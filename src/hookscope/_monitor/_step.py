@@ -8,6 +8,8 @@ the replay and out after it: the replay leaves the step's state as it found it.
 
 from __future__ import annotations
 
+import torch
+
 from .._diagnose import Finding, Graph
 from ._buffer import StepBuffer
 from ._heard import Heard
@@ -24,6 +26,7 @@ class StepState:
     __slots__ = (
         "backward_ran",
         "buf",
+        "carried",
         "early",
         "flagging",
         "got_grad",
@@ -55,9 +58,35 @@ class StepState:
         self.skipped = 0  # of those, skipped for a NaN/Inf (``on_nonfinite="skip"``)
         self.nonfinite: Finding | None = None  # the step's non-finite finding, once found
         self.early: list[Finding] = []  # findings reported before the update
+        # scalars heard before the update that went with its transfer: key -> (tensor, version)
+        self.carried: dict[str, tuple[torch.Tensor, int]] = {}
         # Did any hook on the model run, did a backward pass run? (A compiled graph from
         # before the hooks runs the model without them.)
         self.hooks_ran = self.backward_ran = False
+
+    def carry_scalars(self, scalars: dict[str, torch.Tensor]) -> None:
+        """Put the scalars heard so far (the loss, the clip's norm: ``Heard.scalars()``,
+        converted) into the buffer, for the transfer before an update: on an unsampled step
+        ``step()`` then has nothing left to move, and the step costs one host sync, not two."""
+        heard = self.heard.scalars()
+        for key, value in scalars.items():
+            self.buf.set(("scalar", key), value)
+            self.carried[key] = (heard[key], heard[key]._version)
+
+    def was_carried(self, key: str, value: torch.Tensor) -> bool:
+        """``value`` (given to ``step()`` or heard) is the scalar already moved under ``key``:
+        the same memory, unchanged since (``loss`` and ``loss.detach()`` both are)."""
+        carried = self.carried.get(key)
+        if carried is None:
+            return False
+        moved, version = carried
+        return (
+            value.data_ptr() == moved.data_ptr()
+            and value.dtype == moved.dtype
+            and value.device == moved.device
+            and value.numel() == moved.numel() == 1
+            and value._version == version
+        )
 
     def graph(self) -> Graph:
         """Which watched module fed which, and which ones' outputs went on detached."""

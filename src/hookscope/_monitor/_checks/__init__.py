@@ -77,11 +77,17 @@ class Checks:
             picked = select(ctx.model, replicated) if replicated is not None else None
             self.checks.append(ReplicaDivergence(ctx, picked))
         self._backward = [c for c in self.checks if hasattr(c, "before_backward")]
+        self._begin = [c for c in self.checks if hasattr(c, "begin")]
 
     def before_backward(self) -> None:
         """A backward pass is about to start (``loss.backward()``)."""
         for check in self._backward:
             check.before_backward()
+
+    def begin(self, buf: StepBuffer) -> None:
+        """A step starts (``buf`` is its buffer): what a check reads late goes in it."""
+        for check in self._begin:
+            check.begin(buf)
 
     def collect(self, buf: StepBuffer, sampled: bool) -> None:
         for check in self.checks:

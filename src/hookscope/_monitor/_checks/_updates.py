@@ -41,6 +41,10 @@ def _lr(group: dict[str, Any]) -> float:
         return 0.0
 
 
+def _stacked(pending: list[tuple[str, _Probe, torch.Tensor]]) -> torch.Tensor:
+    return torch.stack([flag.to(pending[0][2].device) for _, _, flag in pending])
+
+
 class _Probe:
     """One weight around one update: a few elements before, and whether they should move."""
 
@@ -79,6 +83,11 @@ class NotUpdated:
         self._index: dict[int, torch.Tensor] = {}
         self._probes: dict[int, list[_Probe]] = {}
         self._pending: list[tuple[str, _Probe, torch.Tensor]] = []
+        # An unsampled step's verdicts, read with the next step's first transfer (on a GPU,
+        # one more at the step's end would be a second host sync; see ``begin``)
+        self._late: list[tuple[str, _Probe, torch.Tensor]] = []
+        self._late_step = -1
+        self._now = False  # this step's verdicts move with its own transfer (sampled)
         self._found: list[Finding] = []
         self._foreign = self._ours = self._ever = False
         self._foreign_run = 0
@@ -170,10 +179,16 @@ class NotUpdated:
         return Finding(self.kind, common_module(names), -1, float(len(names)), message)
 
     # -- at the step's end ----------------------------------------------------------------
+    def begin(self, buf: StepBuffer) -> None:
+        """A step starts: the last step's verdicts, if it was unsampled, go with this step's
+        first transfer (before its update, with an optimizer), and are read at its end."""
+        if self._late:
+            buf.set(("check", self.kind, "late"), _stacked(self._late))
+
     def collect(self, buf: StepBuffer, sampled: bool) -> None:
-        if self._pending:
-            flags = [flag.to(self._pending[0][2].device) for _, _, flag in self._pending]
-            buf.set(("check", self.kind), torch.stack(flags))
+        self._now = sampled
+        if self._pending and sampled:
+            buf.set(("check", self.kind), _stacked(self._pending))
 
     def layout(self, rank: int) -> list[Entry]:
         return []
@@ -181,14 +196,26 @@ class NotUpdated:
     def read(self, host: Host, record: StepRecord) -> list[Finding]:
         step = record.step
         found = [_at(f, step) for f in self._found]
-        flags = host.get(("check", self.kind), [])
-        for (opt, probe, _), stuck in zip(self._pending, flags, strict=False):
-            if stuck:
-                found.append(self._unchanged(opt, probe, step))
+        late = host.get(("check", self.kind, "late"), [])
+        found += self._stuck(self._late, late, self._late_step)
+        if self._now:
+            found += self._stuck(self._pending, host.get(("check", self.kind), []), step)
+            self._late = []
+        else:
+            self._late, self._late_step = self._pending, step
         found += self._foreign_only(step)
         self._pending, self._found, self._probes = [], [], {}
         self._foreign = self._ours = False
         return found
+
+    def _stuck(
+        self, pending: list[tuple[str, _Probe, torch.Tensor]], flags: list[float], step: int
+    ) -> list[Finding]:
+        return [
+            self._unchanged(opt, probe, step)
+            for (opt, probe, _), stuck in zip(pending, flags, strict=False)
+            if stuck
+        ]
 
     def _unchanged(self, opt: str, probe: _Probe, step: int) -> Finding:
         n = int(probe.expect.sum())
