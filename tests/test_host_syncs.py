@@ -128,9 +128,7 @@ def transfers_per_step(every: int | None, given: Callable[[torch.Tensor], Any]) 
     return counts
 
 
-@pytest.mark.parametrize(
-    "given", [lambda x: x, torch.Tensor.detach], ids=["loss", "loss.detach()"]
-)
+@pytest.mark.parametrize("given", [lambda x: x, torch.Tensor.detach], ids=["loss", "loss.detach()"])
 def test_an_unsampled_step_moves_its_values_once_before_the_update(given: Callable) -> None:
     # The flags, the loss and the clip's norm go to the host together just before the
     # optimizer's update; step() then has nothing left to move (one host sync, not two).
