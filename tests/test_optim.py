@@ -194,7 +194,7 @@ def test_update_ratio_from_a_sample_is_close_to_the_exact_one_without_copying_we
             opt.zero_grad()
             exact = ((model[0].weight - before).norm() / before.norm()).item()
             mon.step()
-            assert mon._params._before == {}  # the sampled copy is dropped after the step
+            assert mon._probes.params._before == {}  # the sampled copy is dropped after the step
             got = mon.records[-1]["param"]["0.weight"]["update_ratio"]
             assert got == pytest.approx(exact, rel=0.1)
 

@@ -1,12 +1,13 @@
 """Monitor: layer-by-layer training health at the cost of a bare training step.
 
-The Monitor only orchestrates. While a step runs, its hooks write the step's state
-(``_step.py``): probes (``_outputs.py``, ``_probes.py``) and the non-finite trail
-(``_nonfinite.py``) put small device tensors into the step's :class:`StepBuffer`. ``step()`` moves the buffer to the host in
-one transfer (``_transfer.py``), has each probe fill its part of a typed :class:`StepRecord`
-(``_log.py``), has the non-finite decision (``_decide.py``) and the diagnosis judge the step,
-and writes the records and findings out (``_output.py``). The optimizers are found through
-torch's global step hooks (``_optim.py``).
+The Monitor only orchestrates. Its probes (``_probeset.py``) and checks (``_checks/``) are
+hooked onto the model once (``_wiring.py``). While a step runs, the hooks write the step's
+state (``_step.py``): the probes and the non-finite trail (``_nonfinite.py``) put small device
+tensors into the step's :class:`StepBuffer`, and around each optimizer update the final
+gradients are read and checked (``_update.py``). ``step()`` moves the buffer to the host in
+one transfer (``_transfer.py``), has each probe and check fill its part of a typed
+:class:`StepRecord` (``_log.py``), has the non-finite decision (``_decide.py``) and the
+diagnosis judge the step, and writes the records and findings out (``_output.py``).
 """
 
 from __future__ import annotations
@@ -19,47 +20,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds
-from .._hooks import HookSet, eager_model
+from .._hooks import eager_model
 from .._log import StepRecord
 from .._select import Where, select
 from .._sinks import Sink
-from .._stats import Sampler
-from ._attention import Attention
 from ._buffer import Host
-from ._calls import listen
-from ._checks import Checks, Context
-from ._compiled import CompiledProbes
-from ._decide import NonFiniteDecision, nonfinite_error
-from ._dist import Collective, Entry, RankInfo
-from ._heard import Ears
-from ._modules import ModuleHooks
-from ._optim import OptimizerWatch
+from ._decide import nonfinite_error
+from ._dist import RankInfo
 from ._options import (
     batch_list,
     check_batch_indices,
     check_options,
     check_record_dir,
-    device_of,
     is_leaf,
-    split_scalars,
+    ranks,
+    settings,
     thresholds_from,
 )
-from ._options import (
-    settings as settings_of,
-)
 from ._output import Output
-from ._outputs import Activations, OutputGrads
-from ._precision import Precision
-from ._probes import BatchNorms, Params
+from ._probeset import ProbeSet
 from ._replay import write_bundle  # safetensors itself is imported when a bundle is written
-from ._signals import SkipList, SpikeWatch
+from ._signals import SkipList
 from ._step import StepState
-from ._transfer import Transfer
 from ._warnings import Warnings
+from ._wiring import Wiring
 
 __all__ = ["Monitor"]
 
@@ -199,29 +186,31 @@ class Monitor:
     ) -> None:
         check_options(every, on_nonfinite, log_dir)
         self.thresholds = thresholds_from(thresholds, threshold_overrides, monitor_options)
-        sampler = Sampler(sample)
         # DDP, torch.compile: name modules as the model they wrap (no "module.", "_orig_mod.");
         # a model compiled already is traced again, with a warning.
         model = eager_model(model, "Monitor")
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.rank = dist.get_rank() if distributed else None
-        self._coll = Collective() if distributed and sync is not False else None
+        self.rank, world, self._coll = ranks(sync)
         self._world = self._coll.world if self._coll is not None else 1  # combined ranks
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
         self.modules: dict[str, nn.Module] = select(model, where if where is not None else is_leaf)
         self.step_count = 0
         self._model = model
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
-        self._make_probes(model, sampler, bins if histograms else None, precision)
-        sharded = any(v is not None for v in self._params.sharded.values())
-        check_record_dir(record_dir, sharded)
-        shapes = {n: list(p.shape) for n, p in self._params.params.items()}
-        watched = {n: type(m).__name__ for n, m in self.modules.items()}
+        self._probes = ProbeSet(  # what it measures (``_probeset.py``)
+            model,
+            self.modules,
+            self.thresholds,
+            sample=sample,
+            bins=bins if histograms else None,
+            precision=precision,
+            world=self._world,
+        )
+        check_record_dir(record_dir, self._probes.sharded)
+        shapes = self._probes.shapes
         types = {n: type(m).__name__ for n, m in model.named_modules()}
         self._diagnosis = Diagnosis(self.thresholds, shapes, types)
         self.record_dir = None if record_dir is None else Path(record_dir)
         self.record_on = tuple(record_on)
-        world = dist.get_world_size() if distributed else 1
         self._skip = None if skip_list is None else SkipList(skip_list, self.rank or 0, world)
         self._out = Output(  # the sinks and the findings (``_output.py``)
             sinks,
@@ -233,132 +222,52 @@ class Monitor:
             bundle=self._bundle,
         )
         self._warnings = Warnings()
-        self._stop_listening = lambda: None
-        self._checks: Checks | None = None
-        self._hooks = HookSet("Monitor")
+        self._wiring: Wiring | None = None
+        watched = {n: type(m).__name__ for n, m in self.modules.items()}
         try:
-            self._hook(model, sampler, optimizer, record_dir, frozen=frozen, replicated=replicated)
-            self._decision = NonFiniteDecision(
-                model,
-                self._tape,
-                self._diagnosis,
-                self._params.params,
-                self._coll,
-                sharded=sharded,
-                root_watched="" in self.modules,
-                flagged=self._module_hooks.flagging,
-            )
-            self._transfer = Transfer(  # the step's one transfer (``_transfer.py``)
-                model,
-                self._tape,
-                self._compiled,
-                self._acts,
-                self._grads,
-                coll=self._coll,
-                layout=self._probe_layout,
-                bad_bits=self._decision.bad_bits,
-                warnings=self._warnings,
-            )
-            self._module_hooks.now = self._new_state()  # what the hooks write (``_step.py``)
-            # listen() keeps a weak reference: the Monitor holds its listener
-            self._listener = Ears(
-                self._module_hooks, self._params, self._checks, self.read_gradients
-            )
-            self._stop_listening = listen(self._listener)
+            self._wire(model, optimizer, frozen=frozen, replicated=replicated)
             self._out.open(log_dir)
-            names = self._precision.names if self._precision is not None else []
-            settings = settings_of(
-                every, sample, on_nonfinite, histograms, bins, self.thresholds, names
-            )
+            names = self._probes.precision.names if self._probes.precision is not None else []
+            config = settings(every, sample, on_nonfinite, histograms, bins, self.thresholds, names)
             if self._coll is not None:  # every rank built the same Monitor
-                self._coll.handshake(
-                    modules=watched, params=shapes, bn=list(self._bns.modules), settings=settings
-                )
+                bns = list(self._probes.bns.modules)
+                self._coll.handshake(modules=watched, params=shapes, bn=bns, settings=config)
         except BaseException:
             self.close()
             raise
-        self._out.header(type(model).__name__, watched, shapes, settings, world)
+        self._out.header(type(model).__name__, watched, shapes, config, world)
 
-    def _make_probes(
-        self, model: nn.Module, sampler: Sampler, bins: int | None, precision: Sequence[str]
-    ) -> None:
-        """What the Monitor measures (``_outputs.py``, ``_probes.py``, ``_compiled.py``,
-        ``_precision.py``, ``_signals.py``): device tensors into the step's buffer."""
-        dead_min = (self.thresholds.dead_min_units, self.thresholds.dead_min_samples)
-        dead_at = self.thresholds.dead_unit
-        self._acts = Activations(
-            self.modules, sampler, dead_at=dead_at, dead_min=dead_min, bins=bins
-        )
-        self._grads = OutputGrads(sampler, self.modules, world=self._world)
-        self._compiled = CompiledProbes(  # what compiled graphs measure
-            list(self.modules),
-            self.sample,
-            dead_at=dead_at,
-            dead_min=dead_min,
-            device=device_of(model),
-        )
-        self._precision = Precision(precision, sampler, self.modules) if precision else None
-        self._params = Params(model, sampler)
-        self._spikes = SpikeWatch(self._params.params, self.thresholds)
-        self._bns = BatchNorms(model)
-
-    def _hook(
+    def _wire(
         self,
         model: nn.Module,
-        sampler: Sampler,
         optimizer: torch.optim.Optimizer | None,
-        record_dir: str | Path | None,
         *,
         frozen: Where | None,
         replicated: Where | None,
     ) -> None:
-        """Every hook the Monitor puts on the model and its optimizers, in its HookSet."""
-        self._module_hooks = ModuleHooks(  # the hooks on the model's modules (``_modules.py``)
-            self._hooks,
+        """Every hook on the model, its optimizers and the script's calls, with the parts
+        that read what they gather (``_wiring.py``)."""
+        w = self._wiring = Wiring(
             model,
             self.modules,
-            acts=self._acts,
-            grads=self._grads,
-            precision=self._precision,
-            compiled=self._compiled,
-            keep_outputs=record_dir is not None,
-            on_first_call=self._bns.save_running if self.on_nonfinite == "skip" else None,
-        )
-        self._tape = self._module_hooks.tape
-        self._attention = Attention(
-            model,
-            self._hooks,
-            self.sample,
-            active=self._module_hooks.measures,
-            buffer=lambda: self._module_hooks.now.buf,
-        )
-        self._optim = OptimizerWatch(
-            self._hooks,
-            self._params.owned,
-            grads=self._read_grads,
-            check=self._check_before_update,
-            before=self._before_update,
-            after=self._after_update,
-        )
-        if optimizer is not None:
-            self._optim.adopt(optimizer)
-        self._checks = Checks(
-            Context(
-                model,
-                self.modules,
-                self._params.params,
-                self._hooks,
-                self._out.write,
-                # a replay, or a graph being compiled (the checks' hooks are eager-only)
-                paused=lambda: self._tape.paused or torch.compiler.is_compiling(),
-                skipping=lambda: self._now.nonfinite is not None and self.on_nonfinite == "skip",
-                sampler=sampler,
-                rank=self._coll.rank if self._coll is not None else None,
-                world=self._world,
-            ),
+            self._probes,
+            self._diagnosis,
+            self._out,
+            coll=self._coll,
+            world=self._world,
+            warnings=self._warnings,
+            on_nonfinite=self.on_nonfinite,
+            keep_outputs=self.record_dir is not None,
+            step=lambda: self.step_count,
             frozen=frozen,
             replicated=replicated,
         )
+        self._module_hooks, self._tape, self._decision = w.module_hooks, w.tape, w.decision
+        self._transfer, self._updates, self._checks = w.transfer, w.updates, w.checks
+        self._optim = w.updates.optim
+        if optimizer is not None:
+            self._optim.adopt(optimizer)
+        self._module_hooks.now = self._new_state()  # what the hooks write (``_step.py``)
 
     @property
     def _now(self) -> StepState:
@@ -380,63 +289,12 @@ class Monitor:
         gradients clipping would hide (the trainer integrations do). ``optimizer`` defaults
         to every adopted one; before any optimizer has stepped the model (its first step),
         the gradients of all the model's parameters are read."""
-        if optimizer is not None:
-            self._optim.read_now(optimizer)
-        elif self._optim.optimizers:
-            for opt in self._optim.optimizers:
-                self._optim.read_now(opt)
-        else:
-            self._read_grads(None, list(self._params.params))
-            self._optim.read_now(None)
-
-    def _read_grads(self, optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
-        s = self._now
-        if s.sampled:
-            self._params.read_grads(s.buf, names, stepped=optimizer is not None)
-        first = len(s.trail.flags)
-        s.trail.parameters(s.buf, self._params.params, names)
-        flags = s.trail.flags[first:]  # their L1 norms feed the rolling window too
-        self._spikes.flags(first, len(s.trail.flags), [f.param for f in flags])
-        self._spikes.weights(s.buf)
+        self._updates.read_gradients(optimizer)
 
     def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
-        """The non-finite check, before the optimizer changes anything. True: skip it."""
-        s, decision = self._now, self._decision
-        if s.nonfinite is None:
-            if self._coll is None:
-                s.carry_scalars(split_scalars(s.heard.scalars())[0])
-                s.nonfinite = decision.localised(
-                    s, self._transfer.to_host(s), self.step_count, self.findings
-                )
-            elif self.on_nonfinite == "log":
-                return False  # found at step(), from the step's one collective
-            else:  # every rank must take the same decision before its update
-                s.nonfinite = decision.agreed_now(s, self.step_count, self.findings)
-            if s.nonfinite is not None:
-                found = decision.with_overflow(s.nonfinite)
-                s.early = self._out.report(found, self.step_count, before_update=True)
-                if self.on_nonfinite == "raise":
-                    raise nonfinite_error(s.nonfinite)
-        if s.nonfinite is None or self.on_nonfinite != "skip":
-            return False
-        self._bns.restore_running()
-        self._out.event(
-            self.step_count,
-            "skipped_step",
-            f"step {self.step_count}: skipped the update of {type(optimizer).__name__} "
-            f"(weights and optimizer state unchanged): {s.nonfinite.message}",
-        )
-        s.skipped += 1
-        return True
-
-    def _before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
-        self._now.updates += 1
-        if self._now.sampled:
-            self._params.before_update(names)
-
-    def _after_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
-        if self._now.sampled:
-            self._params.after_update(self._now.buf, names)
+        """The non-finite check before an update (``_update.py``; ``hs.watch`` runs it for
+        a model trained by hand). True: skip the update."""
+        return self._updates.check(optimizer, names)
 
     # -- the step boundary: one host transfer ------------------------------------------------
     def step(self, *, batch_indices: Any = None, **scalars: Any) -> list[Finding]:
@@ -487,47 +345,29 @@ class Monitor:
     ) -> tuple[StepRecord, Host, RankInfo | None]:
         """The step's record: the scalars heard and given, and what every probe measured,
         from the step's one transfer (also its host values and what it told of the ranks)."""
-        named = {**s.heard.scalars(), **scalars}
-        given, plain = split_scalars(named)
-        for key, value in given.items():
-            if not s.was_carried(key, named[key]):  # moved before the update already
-                s.buf.set(("scalar", key), value)
+        tensor_scalars, plain = s.put_scalars(scalars)
         if s.sampled:
-            self._params.collect(s.buf)
-            self._bns.collect(s.buf)
+            self._probes.collect(s.buf)
         self._checks.collect(s.buf, s.sampled)
-        tensor_scalars = sorted(given)
         host, info = self._transfer.step(s, tensor_scalars, self.step_count)
         record = StepRecord(self.step_count, time.time(), s.sampled, self._model.training)
         record.scalars = {k: host[("scalar", k)][0] / self._world for k in tensor_scalars}
         record.scalars.update(plain)
         record.scalars.update(self._optim.learning_rates())
         if s.sampled:
-            self._grads.unscale(record.scalars.get("grad_scale"))
-            probes = (self._acts, self._grads, self._params, self._bns, self._precision)
-            for probe in (*probes, self._attention):
-                if probe is not None:
-                    probe.read(host, record)
+            self._probes.read(host, record)
         return record, host, info
 
     def _spiked(self, record: StepRecord, host: Host, batch_indices: Any) -> list[Finding]:
         """The ``loss_spike`` finding, when the rolling window (``_signals.py``) sees one:
         its window goes to the log and its batch to ``skip_list``."""
-        spike = self._spikes.observe(record.step, record.scalars, host)
+        spike = self._probes.spikes.observe(record.step, record.scalars, host)
         if spike is None:
             return []
         self._out.write(asdict(spike.window))
         if self._skip is not None:
             self._skip.add(record.step, spike.finding.value, batch_list(batch_indices))
         return [spike.finding]
-
-    def _probe_layout(self, rank: int) -> list[Entry]:
-        """What the probes put in a sampled step's collective."""
-        layout = self._acts.layout(rank) + self._grads.layout()
-        layout += self._params.layout(rank) + self._bns.layout(rank)
-        if self._precision is not None:
-            layout += self._precision.layout()
-        return layout + self._attention.layout() + self._checks.layout(rank)
 
     def _bundle(self, finding: Finding, before_update: bool) -> Path:
         """The flight recorder's replay bundle for ``finding`` (``_replay.py``)."""
@@ -546,8 +386,7 @@ class Monitor:
 
     def _end_step(self) -> None:
         self._tape.reset()
-        self._grads.reset()
-        self._params.reset()
+        self._probes.reset()
         self._optim.reset()
         self.step_count += 1
         self._module_hooks.now = self._new_state()
@@ -572,10 +411,8 @@ class Monitor:
     def close(self) -> None:
         """Remove every hook (global optimizer hooks included) and close the sinks. Safe to
         call more than once."""
-        self._hooks.remove()
-        self._stop_listening()
-        if self._checks is not None:
-            self._checks.close()
+        if self._wiring is not None:
+            self._wiring.close()
         self._out.close()
 
     def __enter__(self) -> Monitor:

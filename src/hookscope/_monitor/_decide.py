@@ -86,6 +86,24 @@ class NonFiniteDecision:
         flags = [(("flag", i), flag.phase) for i, flag in enumerate(state.trail.flags)]
         return self._coll.bad_bits(state.buf, flags)
 
+    def before_update(
+        self,
+        state: StepState,
+        early: Callable[[StepState], Host],
+        step: int,
+        findings: list[Finding],
+        *,
+        agree: bool,
+    ) -> Finding | None:
+        """The step's non-finite finding before its update, from the flags: in one process,
+        from ``early(state)``, the update's early transfer; under ``torch.distributed``, where
+        every rank must take the same decision there (``agree``: ``on_nonfinite`` is
+        ``"raise"`` or ``"skip"``), from a tiny collective, and otherwise none yet (found at
+        ``step()``, from the step's one collective)."""
+        if self._coll is None:
+            return self.localised(state, early(state), step, findings)
+        return self.agreed_now(state, step, findings) if agree else None
+
     def agreed(
         self, state: StepState, host: Host, info: RankInfo, step: int, findings: list[Finding]
     ) -> Finding | None:

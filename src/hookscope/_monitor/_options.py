@@ -1,5 +1,5 @@
-"""What a Monitor is given: its options checked, threshold overrides, the scalars and batch
-indices a step is given; each mistake an error that names the fix."""
+"""What a Monitor is given: its options checked, threshold overrides, the ranks it runs on,
+the scalars and batch indices a step is given; each mistake an error that names the fix."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._diagnose import Thresholds
 from .._errors import HookscopeError, did_you_mean
+from ._dist import Collective
 
 __all__ = [
     "batch_list",
@@ -21,6 +23,7 @@ __all__ = [
     "check_record_dir",
     "device_of",
     "is_leaf",
+    "ranks",
     "settings",
     "split_scalars",
     "thresholds_from",
@@ -88,6 +91,15 @@ def settings(
         "thresholds": asdict(thresholds),
         "precision": precision,
     }
+
+
+def ranks(sync: bool | None) -> tuple[int | None, int, Collective | None]:
+    """Under ``torch.distributed`` with several ranks, this process's rank (``None``: one
+    process), the number of ranks, and the collective that combines their figures (``None``:
+    one process, or ``sync=False``)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None, 1, None
+    return dist.get_rank(), dist.get_world_size(), Collective() if sync is not False else None
 
 
 def is_leaf(name: str, module: nn.Module) -> bool:

@@ -8,12 +8,15 @@ the replay and out after it: the replay leaves the step's state as it found it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .._diagnose import Finding, Graph
 from ._buffer import StepBuffer
 from ._heard import Heard
 from ._nonfinite import NonFiniteTrail
+from ._options import split_scalars
 
 __all__ = ["StepState"]
 
@@ -64,16 +67,27 @@ class StepState:
         # before the hooks runs the model without them.)
         self.hooks_ran = self.backward_ran = False
 
-    def carry_scalars(self, scalars: dict[str, torch.Tensor]) -> None:
-        """Put the scalars heard so far (the loss, the clip's norm: ``Heard.scalars()``,
-        converted) into the buffer, for the transfer before an update: on an unsampled step
-        ``step()`` then has nothing left to move, and the step costs one host sync, not two."""
+    def carry_scalars(self) -> None:
+        """Put the scalars heard so far (the loss, the clip's norm: ``Heard.scalars()``) into
+        the buffer, for the transfer before an update: on an unsampled step ``step()`` then
+        has nothing left to move, and the step costs one host sync, not two."""
         heard = self.heard.scalars()
-        for key, value in scalars.items():
+        for key, value in split_scalars(heard)[0].items():
             self.buf.set(("scalar", key), value)
             self.carried[key] = (heard[key], heard[key]._version)
 
-    def was_carried(self, key: str, value: torch.Tensor) -> bool:
+    def put_scalars(self, scalars: dict[str, Any]) -> tuple[list[str], dict[str, float]]:
+        """At ``step()``: the scalars heard and those given to it (which win), checked; the
+        tensors go into the buffer unless they moved before the update already. Returns the
+        tensors' keys, sorted, and the numbers."""
+        named = {**self.heard.scalars(), **scalars}
+        given, plain = split_scalars(named)
+        for key, value in given.items():
+            if not self._was_carried(key, named[key]):
+                self.buf.set(("scalar", key), value)
+        return sorted(given), plain
+
+    def _was_carried(self, key: str, value: torch.Tensor) -> bool:
         """``value`` (given to ``step()`` or heard) is the scalar already moved under ``key``:
         the same memory, unchanged since (``loss`` and ``loss.detach()`` both are)."""
         carried = self.carried.get(key)

@@ -6,7 +6,7 @@ buffer. Then the buffer moves to the host in one transfer, or, under ``torch.dis
 in the step's one collective with every rank (``_dist.py``), and the compiled graphs' figures
 are spread into the entries and flags the eager hooks would have written, so that every
 probe reads its record as usual. An update's early transfer (the non-finite check before
-``optimizer.step()``) goes the same way.
+``optimizer.step()``) goes the same way, with the scalars heard by then.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from ._buffer import Host
-from ._compiled import CompiledProbes
 from ._dist import Collective, Entry, RankInfo, digest
-from ._outputs import Activations, OutputGrads
+from ._probeset import ProbeSet
 from ._step import StepState
 from ._trace import Tape
 from ._warnings import Warnings
@@ -30,24 +29,22 @@ __all__ = ["Transfer"]
 class Transfer:
     """Moves a step's buffer to the host.
 
-    ``layout(rank)``: what the probes put in a sampled step's collective. ``bad_bits(state)``:
+    ``layout(rank)``: what the probes and checks put in a sampled step's collective. ``bad_bits(state)``:
     this rank's non-finite bits for it (``_decide.py``)."""
 
     def __init__(
         self,
         model: nn.Module,
         tape: Tape,
-        compiled: CompiledProbes,
-        acts: Activations,
-        grads: OutputGrads,
+        probes: ProbeSet,
         *,
         coll: Collective | None,
         layout: Callable[[int], list[Entry]],
         bad_bits: Callable[[StepState], torch.Tensor],
         warnings: Warnings,
     ) -> None:
-        self._model, self._tape, self._compiled = model, tape, compiled
-        self._acts, self._grads = acts, grads
+        self._model, self._tape, self._compiled = model, tape, probes.compiled
+        self._acts, self._grads = probes.acts, probes.grads
         self._coll, self._layout, self._bad_bits = coll, layout, bad_bits
         self._warnings = warnings
 
@@ -57,6 +54,13 @@ class Transfer:
         host = state.buf.to_host()
         self._compiled.unpack(host, state.trail.flags, self._grads.order)
         return host
+
+    def before_update(self, state: StepState) -> Host:
+        """An update's early transfer in one process (the non-finite check before
+        ``optimizer.step()``): the scalars heard so far (the loss, the clip's norm) go with
+        it, so that an unsampled step's ``step()`` has nothing left to move."""
+        state.carry_scalars()
+        return self.to_host(state)
 
     def step(
         self, state: StepState, tensor_scalars: list[str], step: int

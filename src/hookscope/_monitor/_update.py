@@ -1,0 +1,116 @@
+"""What a Monitor does around each optimizer update: read the final gradients, check them.
+
+The optimizers are found by torch's global step hooks (``_optim.py``). Around each update of
+one that steps the model, :class:`Updates` reads the parameters' final gradients (their norms
+on sampled steps; on every step their non-finite flags, whose L1 norms also feed the rolling
+window of ``_signals.py``), takes the non-finite decision before the optimizer changes
+anything (``_decide.py``), so that ``on_nonfinite="raise"`` raises and ``"skip"`` skips the
+update with the weights and optimizer state untouched, and has the parameter probe measure the
+update itself (``_probes.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .._hooks import HookSet
+from ._decide import NonFiniteDecision, nonfinite_error
+from ._modules import ModuleHooks
+from ._optim import OptimizerWatch
+from ._output import Output
+from ._probeset import ProbeSet
+from ._transfer import Transfer
+
+__all__ = ["Updates"]
+
+
+class Updates:
+    """The optimizers that step the model (``optim``) and what happens around their updates.
+
+    ``hooks``: where the optimizer hooks go; ``module_hooks``: what writes the step's state;
+    ``step()``: the number of the step under way."""
+
+    def __init__(
+        self,
+        hooks: HookSet,
+        module_hooks: ModuleHooks,
+        probes: ProbeSet,
+        decision: NonFiniteDecision,
+        transfer: Transfer,
+        out: Output,
+        *,
+        on_nonfinite: str,
+        step: Callable[[], int],
+    ) -> None:
+        self._hooks, self._probes, self._decision = module_hooks, probes, decision
+        self._transfer, self._out = transfer, out
+        self._on_nonfinite, self._step = on_nonfinite, step
+        self.optim = OptimizerWatch(
+            hooks,
+            probes.params.owned,
+            grads=self.grads,
+            check=self.check,
+            before=self.before,
+            after=self.after,
+        )
+
+    def read_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """The step's gradients are final now: read those of ``optimizer``'s parameters, or
+        of every adopted optimizer's, or, before any has stepped the model, of all its
+        parameters (and not again before the update)."""
+        optim = self.optim
+        if optimizer is not None:
+            optim.read_now(optimizer)
+        elif optim.optimizers:
+            for opt in optim.optimizers:
+                optim.read_now(opt)
+        else:
+            self.grads(None, list(self._probes.params.params))
+            optim.read_now(None)
+
+    def grads(self, optimizer: torch.optim.Optimizer | None, names: list[str]) -> None:
+        """The final gradients of the parameters ``names``: their norms on a sampled step,
+        and on every step their non-finite flags and the rolling window's figures."""
+        s, probes = self._hooks.now, self._probes
+        if s.sampled:
+            probes.params.read_grads(s.buf, names, stepped=optimizer is not None)
+        first = len(s.trail.flags)
+        s.trail.parameters(s.buf, probes.params.params, names)
+        flags = s.trail.flags[first:]  # their L1 norms feed the rolling window too
+        probes.spikes.flags(first, len(s.trail.flags), [f.param for f in flags])
+        probes.spikes.weights(s.buf)
+
+    def check(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
+        """The non-finite check, before the optimizer changes anything. True: skip it."""
+        s, step, decision = self._hooks.now, self._step(), self._decision
+        if s.nonfinite is None:
+            agree = self._on_nonfinite != "log"  # every rank must decide alike before it
+            early = self._transfer.before_update
+            s.nonfinite = decision.before_update(s, early, step, self._out.findings, agree=agree)
+            if s.nonfinite is not None:
+                found = decision.with_overflow(s.nonfinite)
+                s.early = self._out.report(found, step, before_update=True)
+                if self._on_nonfinite == "raise":
+                    raise nonfinite_error(s.nonfinite)
+        if s.nonfinite is None or self._on_nonfinite != "skip":
+            return False
+        self._probes.bns.restore_running()
+        self._out.event(
+            step,
+            "skipped_step",
+            f"step {step}: skipped the update of {type(optimizer).__name__} "
+            f"(weights and optimizer state unchanged): {s.nonfinite.message}",
+        )
+        s.skipped += 1
+        return True
+
+    def before(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+        self._hooks.now.updates += 1
+        if self._hooks.now.sampled:
+            self._probes.params.before_update(names)
+
+    def after(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+        if self._hooks.now.sampled:
+            self._probes.params.after_update(self._hooks.now.buf, names)

@@ -1,0 +1,134 @@
+"""A Monitor's hooks and the parts that read what they gather, built and connected once.
+
+Every hook goes into one :class:`HookSet`: the probes' on the model's modules
+(``_probeset.py``, ``_modules.py``), the optimizers' global step hooks (``_update.py``) and
+the checks' (``_checks/``); a listener hears the script's calls into torch (``_calls.py``,
+``_heard.py``). Between them sit the non-finite decision (``_decide.py``) and the step's one
+transfer (``_transfer.py``). :class:`Wiring` builds them in the order they depend on each
+other, and removes every hook again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .._diagnose import Diagnosis
+from .._hooks import HookSet
+from .._select import Where
+from ._calls import listen
+from ._checks import Checks, Context
+from ._decide import NonFiniteDecision
+from ._dist import Collective, Entry
+from ._heard import Ears
+from ._output import Output
+from ._probeset import ProbeSet
+from ._transfer import Transfer
+from ._update import Updates
+from ._warnings import Warnings
+
+__all__ = ["Wiring"]
+
+
+class Wiring:
+    """The Monitor's hooks on ``model`` (watching ``modules``), its optimizers and the
+    script's calls, with the parts they feed.
+
+    ``coll``: the collective when the ranks' figures are combined, over ``world`` ranks;
+    ``keep_outputs``: the tape keeps the outermost calls' outputs (for a replay bundle);
+    ``step()``: the number of the step under way. The hooks are removed when building fails
+    half-way, as by :meth:`close`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: dict[str, nn.Module],
+        probes: ProbeSet,
+        diagnosis: Diagnosis,
+        out: Output,
+        *,
+        coll: Collective | None,
+        world: int,
+        warnings: Warnings,
+        on_nonfinite: str,
+        keep_outputs: bool,
+        step: Callable[[], int],
+        frozen: Where | None,
+        replicated: Where | None,
+    ) -> None:
+        self.hooks, self._probes = HookSet("Monitor"), probes
+        self._stop_listening: Callable[[], None] = lambda: None
+        self.checks: Checks | None = None
+        try:
+            skip = on_nonfinite == "skip"
+            self.module_hooks = probes.attach(
+                self.hooks, model, keep_outputs=keep_outputs, skip=skip
+            )
+            self.tape = self.module_hooks.tape
+            self.decision = NonFiniteDecision(
+                model,
+                self.tape,
+                diagnosis,
+                probes.params.params,
+                coll,
+                sharded=probes.sharded,
+                root_watched="" in modules,
+                flagged=self.module_hooks.flagging,
+            )
+            self.transfer = Transfer(
+                model,
+                self.tape,
+                probes,
+                coll=coll,
+                layout=self._layout,
+                bad_bits=self.decision.bad_bits,
+                warnings=warnings,
+            )
+            self.updates = Updates(
+                self.hooks,
+                self.module_hooks,
+                probes,
+                self.decision,
+                self.transfer,
+                out,
+                on_nonfinite=on_nonfinite,
+                step=step,
+            )
+            self.checks = Checks(
+                Context(
+                    model,
+                    modules,
+                    probes.params.params,
+                    self.hooks,
+                    out.write,
+                    # a replay, or a graph being compiled (the checks' hooks are eager-only)
+                    paused=lambda: self.tape.paused or torch.compiler.is_compiling(),
+                    skipping=lambda: self.module_hooks.now.nonfinite is not None and skip,
+                    sampler=probes.sampler,
+                    rank=coll.rank if coll is not None else None,
+                    world=world,
+                ),
+                frozen=frozen,
+                replicated=replicated,
+            )
+            # listen() keeps a weak reference: the wiring holds its listener
+            self._listener = Ears(
+                self.module_hooks, probes.params, self.checks, self.updates.read_gradients
+            )
+            self._stop_listening = listen(self._listener)
+        except BaseException:
+            self.close()
+            raise
+
+    def _layout(self, rank: int) -> list[Entry]:
+        """What the probes and the checks put in a sampled step's collective."""
+        return self._probes.layout(rank) + self.checks.layout(rank)
+
+    def close(self) -> None:
+        """Remove every hook and stop listening. Safe to call more than once."""
+        self.hooks.remove()
+        self._stop_listening()
+        if self.checks is not None:
+            self.checks.close()
