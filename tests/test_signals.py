@@ -176,6 +176,39 @@ def test_weight_norms_read_the_same_strided_sample_of_each_parameter() -> None:
     assert got["1"] == pytest.approx(small.item(), rel=1e-5)
 
 
+def test_weight_norms_follow_updates_moved_weights_and_transposed_ones() -> None:
+    """The sample views are made once and kept, so each step must still read the weights of
+    that step: updated in place, replaced (``p.data = ...``), or not contiguous."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 8))
+    model[1].weight = nn.Parameter(torch.randn(8, 200).t().contiguous().t())  # a transpose
+    assert not model[1].weight.is_contiguous()
+    norms = WeightNorms(dict(model.named_parameters()))
+
+    def measured() -> dict[str, float]:
+        buf = StepBuffer()
+        norms.measure(buf)
+        return norms.read(buf.to_host())
+
+    def expected(layer: nn.Linear) -> float:
+        w = layer.weight.detach().reshape(-1)
+        return (
+            w[:: math.ceil(w.numel() / WEIGHT_SAMPLE)].abs().sum() + layer.bias.abs().sum()
+        ).item()
+
+    for change in (
+        lambda: None,
+        lambda: model[0].weight.data.mul_(3.0),  # an update, in place
+        lambda: setattr(model[0].weight, "data", torch.randn(200, 300)),  # replaced
+        lambda: model[1].weight.data.mul_(-2.0),  # in place, not contiguous
+    ):
+        with torch.no_grad():
+            change()
+        got = measured()
+        assert got["0"] == pytest.approx(expected(model[0]), rel=1e-5)
+        assert got["1"] == pytest.approx(expected(model[1]), rel=1e-5)
+
+
 def test_group_norms_are_the_l1_norms_of_the_gradients_before_the_update() -> None:
     model = mlp()
     seen = {}

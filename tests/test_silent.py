@@ -166,6 +166,44 @@ def test_an_unsampled_steps_update_is_judged_at_the_next_step_naming_its_own() -
     assert {f.step for f in found(mon, "not_updated")} == {0}
 
 
+class SGDThatBreaks(torch.optim.Optimizer):
+    """Plain SGD until its step ``broken_from``, then an update that rebinds a local name."""
+
+    def __init__(self, params, lr: float, broken_from: int) -> None:
+        super().__init__(params, {"lr": lr})
+        self.broken_from, self.steps = broken_from, 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.steps += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if self.steps <= self.broken_from:
+                    p.sub_(group["lr"] * p.grad)
+                else:
+                    p = p - group["lr"] * p.grad
+        return None
+
+
+@pytest.mark.parametrize("every", [None, 10])
+def test_an_update_that_stops_reaching_the_weights_is_found_within_ten_steps(
+    every: int | None,
+) -> None:
+    # Weights are compared at an optimizer's first steps and at every tenth.
+    torch.manual_seed(0)
+    model = gpt2().train()
+    opt = SGDThatBreaks(model.parameters(), lr=0.5, broken_from=4)
+    with hs.Monitor(model, every=every) as mon:
+        for _ in range(12):
+            opt.zero_grad()
+            model(token_ids(2, 8), labels=token_ids(2, 8)).loss.backward()
+            opt.step()
+            mon.step()
+    assert {f.step for f in found(mon, "not_updated")} == {10}
+
+
 def test_zero_learning_rate_skipped_steps_and_weight_decay_are_not_reported() -> None:
     torch.manual_seed(0)
     model = gpt2().train()

@@ -114,6 +114,10 @@ class WeightNorms:
             indices.append(i)
             tensors.append((p, max(1, -(-shard.numel() // WEIGHT_SAMPLE))))
         self._kinds = list(kinds.values())
+        # per kind, the sample views of the last step and the data pointers they view: made
+        # again only when a weight's memory moved (``model.to()``, ``p.data = ...``, a
+        # reshard), not per step (two ops per parameter and step otherwise)
+        self._views: list[tuple[list[int], list[torch.Tensor]] | None] = [None] * len(kinds)
         self._measured = False
 
     def measure(self, buf: StepBuffer) -> None:
@@ -122,9 +126,18 @@ class WeightNorms:
         self._measured = True
         with torch.no_grad():  # views of the weights, nothing to detach
             for k, (_, tensors) in enumerate(self._kinds):
-                flat = [(local(p).reshape(-1), stride) for p, stride in tensors]
-                samples = [x if stride == 1 else x[::stride] for x, stride in flat]
-                buf.set(("weights", k), torch.stack(norms(samples, 1)))
+                shards = [local(p) for p, _ in tensors]
+                where = [t.data_ptr() for t in shards]
+                cached = self._views[k]
+                if cached is None or cached[0] != where:
+                    flat = [t.reshape(-1) for t in shards]  # a copy where not contiguous
+                    views = [
+                        x if n == 1 else x[::n] for x, (_, n) in zip(flat, tensors, strict=True)
+                    ]
+                    cached = (where, views)
+                    contiguous = all(t.is_contiguous() for t in shards)
+                    self._views[k] = cached if contiguous else None
+                buf.set(("weights", k), torch.stack(norms(cached[1], 1)))
 
     def read(self, host: Host) -> dict[str, float]:
         self._measured = False

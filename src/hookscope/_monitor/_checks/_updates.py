@@ -26,6 +26,11 @@ MIN_EVIDENCE = 4  # elements that had to move, for an unchanged weight to count
 # An element is expected to move when lr * |grad| is well above float32's resolution of it.
 RESOLUTION = 1e-5
 FROZEN_ELEMENTS = 64
+# The elements are compared at an optimizer's first steps and then at every tenth: an update
+# that never reaches the weights is a bug of the code, there at every step once it starts,
+# and the ~20 small ops per weight would be a tenth of the Monitor's own ops per step.
+FIRST_STEPS = 3
+PROBE_EVERY = 10
 
 
 def _names(names: list[str], limit: int = 3) -> str:
@@ -72,6 +77,9 @@ class NotUpdated:
     updates skipped by GradScaler (``step()`` does not run) or by the Monitor, elements whose
     gradient is zero or too small to move them, and closure optimizers (LBFGS: gradients
     exist only inside ``step``).
+
+    Weights are compared at an optimizer's first ``FIRST_STEPS`` steps and then at every
+    ``PROBE_EVERY``-th; whether it steps anything at all, at every step.
     """
 
     kind = "not_updated"
@@ -89,6 +97,7 @@ class NotUpdated:
         self._late_step = -1
         self._now = False  # this step's verdicts move with its own transfer (sampled)
         self._found: list[Finding] = []
+        self._steps: dict[int, int] = {}  # per optimizer: its steps so far
         self._foreign = self._ours = self._ever = False
         self._foreign_run = 0
         ctx.hooks.optimizer_step_pre_global(self._pre)
@@ -107,6 +116,9 @@ class NotUpdated:
         if closure is not None or self.ctx.skipping():
             return
         if self._nothing_can_change(opt):
+            return
+        n = self._steps[id(opt)] = self._steps.get(id(opt), -1) + 1
+        if n >= FIRST_STEPS and n % PROBE_EVERY:
             return
         probes = []
         for name, p, g in chosen:
