@@ -10,6 +10,8 @@ few gradients, compared on the device and read with the step's one transfer.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -29,9 +31,8 @@ class _Since:
     """One optimizer, since its last step: its watched parameters and what happened to their
     gradients at each backward pass."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
-        self.params = params
-        self.index = [spread(local(p.grad), ELEMENTS) for _, p in params]
+    def __init__(self, params: list[tuple[str, nn.Parameter]], index: list[torch.Tensor]) -> None:
+        self.params, self.index = params, index
         self.backwards = 0
         self.reset = False  # seen on the host: every watched gradient was None
         self.zeroed: list[torch.Tensor] = []  # per backward, on the device: all were zeros
@@ -66,6 +67,9 @@ class StaleGradients:
         self.ctx = ctx
         self._name = {id(p): n for n, p in ctx.params.items()}
         self._since: dict[int, _Since] = {}
+        # per optimizer: its parameters of the model, largest first (while its groups stay)
+        self._largest: dict[int, tuple[weakref.ref, int, list[tuple[str, nn.Parameter]]]] = {}
+        self._index: dict[tuple[int, int], torch.Tensor] = {}  # (param id, numel) -> index
         self._pending: list[tuple[str, _Since, torch.Tensor]] = []
         ctx.hooks.optimizer_step_pre_global(self._pre)
         ctx.hooks.optimizer_step_post_global(self._post)
@@ -85,15 +89,36 @@ class StaleGradients:
     def _post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self.ctx.paused():
             return
+        ours = []
+        for name, p in self._largest_of(opt):
+            if p.grad is not None and p.grad.numel():
+                ours.append((name, p))
+                if len(ours) == WATCHED:
+                    break
+        if ours:
+            self._since[id(opt)] = _Since(ours, [self._index_of(p) for _, p in ours])
+
+    def _largest_of(self, opt: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:
+        cached = self._largest.get(id(opt))
+        if cached is not None and cached[0]() is opt and cached[1] == len(opt.param_groups):
+            return cached[2]
         ours = [
             (self._name[id(p)], p)
             for group in opt.param_groups
             for p in group["params"]
-            if id(p) in self._name and p.grad is not None and p.grad.numel()
+            if id(p) in self._name
         ]
-        if ours:
-            ours = sorted(ours, key=lambda c: -c[1].numel())[:WATCHED]
-            self._since[id(opt)] = _Since(ours)
+        ours.sort(key=lambda c: -c[1].numel())
+        self._largest[id(opt)] = (weakref.ref(opt), len(opt.param_groups), ours)
+        return ours
+
+    def _index_of(self, p: nn.Parameter) -> torch.Tensor:
+        grad = local(p.grad)
+        key = (id(p), grad.numel())
+        index = self._index.get(key)
+        if index is None or index.device != grad.device:
+            index = self._index[key] = spread(grad, ELEMENTS)
+        return index
 
     def collect(self, buf: StepBuffer, sampled: bool) -> None:
         if self._pending:
