@@ -51,13 +51,16 @@ PASS_THROUGH = (
 @dataclass(frozen=True)
 class Flag:
     """One checked tensor: a module's input (``"input"``), output (``"forward"``) or the
-    gradient of its output (``"backward"``); ``inputs`` are the flags that fed it."""
+    gradient of its output (``"backward"``); ``inputs`` are the flags that fed it.
+    ``checked=False``: a module output only placed in the trail (who fed whom, aliases),
+    not read: where the model's edges are checked and a replay localises."""
 
     phase: str
     module: str
     inputs: tuple[int, ...] = ()
     param: str | None = None  # for "param" flags: the parameter whose gradient it is
     edge: bool = False  # at an outermost call into the model (an unsampled step's flags)
+    checked: bool = True
 
 
 class NonFiniteTrail:
@@ -82,25 +85,30 @@ class NonFiniteTrail:
         *,
         pass_through: bool = False,
         nan_inputs: bool = False,
+        check: bool = True,
     ) -> list[torch.Tensor]:
         """Flag the output of ``name``; return its outputs that are new tensors (an output
         that is one of its inputs, unchanged, is an alias: one point, not two). With
         ``pass_through`` (a module in :data:`PASS_THROUGH`) and one input flag, the output's
         flag is that input's value: finite in, finite out. With ``nan_inputs``, inputs seen
         for the first time are flagged for NaN only (the model's own inputs: an attention
-        mask holds -inf on purpose)."""
+        mask holds -inf on purpose). ``check=False``: the output is placed in the trail but
+        not read (``Flag.checked``), and inputs seen for the first time are left to the call
+        that checks them (the model's outermost one)."""
         fed = []
         passed: dict[int, int] = {}  # id -> version of each input seen before
         for t in inputs:
             known = self._known(t)
             if known is None and t.is_floating_point():
+                maker = self._storage.get(t.data_ptr()) if not t.requires_grad else None
+                if maker is not None:  # another module's output, cut from autograd
+                    self.detached.add(maker)
+                if not check:
+                    continue
                 index = self._add(
                     buf, Flag("input", name), _nan_flag(t) if nan_inputs else flag_sum(t)
                 )
                 known = self._made_by[id(t)] = (index, t._version, weakref.ref(t))
-                maker = self._storage.get(t.data_ptr()) if not t.requires_grad else None
-                if maker is not None:  # another module's output, cut from autograd
-                    self.detached.add(maker)
             if known is not None:
                 passed[id(t)] = known[1]
                 fed.append(known[0])
@@ -110,11 +118,14 @@ class NonFiniteTrail:
         new = [t for t in outs if passed.get(id(t)) != t._version]
         if not new:
             return []
-        total = buf.value(("flag", fed[0])) if pass_through and len(fed) == 1 else None
-        if total is None:
-            sums = [flag_sum(t) for t in new]
-            total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
-        index = self._add(buf, Flag("forward", name, tuple(fed)), total)
+        if check:
+            total = buf.value(("flag", fed[0])) if pass_through and len(fed) == 1 else None
+            if total is None:
+                sums = [flag_sum(t) for t in new]
+                total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+            index = self._add(buf, Flag("forward", name, tuple(fed)), total)
+        else:
+            index = self._add(buf, Flag("forward", name, tuple(fed), checked=False), None)
         for t in new:
             self._made_by[id(t)] = (index, t._version, weakref.ref(t))
             if t.requires_grad:
@@ -138,15 +149,18 @@ class NonFiniteTrail:
         for n, value in zip(names, sums, strict=True):
             self._add(buf, Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n), value)
 
-    def _add(self, buf: StepBuffer, flag: Flag, value: torch.Tensor) -> int:
+    def _add(self, buf: StepBuffer, flag: Flag, value: torch.Tensor | None) -> int:
         self.flags.append(flag)
         index = len(self.flags) - 1
-        buf.set(("flag", index), value)
+        if value is not None:
+            buf.set(("flag", index), value)
         return index
 
     def localise(self, host: Host, step: int) -> Finding | None:
         """The module where the first NaN/Inf of this step appeared, forward pass first."""
-        bad = [not math.isfinite(host[("flag", i)][0]) for i in range(len(self.flags))]
+        bad = [
+            f.checked and not math.isfinite(host[("flag", i)][0]) for i, f in enumerate(self.flags)
+        ]
         if not any(bad):
             return None
         value = lambda i: host[("flag", i)][0]  # noqa: E731
