@@ -44,6 +44,32 @@ def test_an_unsampled_step_flags_only_the_models_edges_and_counts_their_gradient
     assert hooks.grad_calls == 1  # the one gradient that reached the model's output
 
 
+def test_a_sampled_step_after_an_optimizer_is_adopted_reads_only_samples_of_modules() -> None:
+    # Once an optimizer is adopted, its pre-update check localises by a replay of the step:
+    # module outputs and gradients are placed in the trail (who fed whom) but not reduced
+    # whole; the model's edges and the parameters' gradients are. Before, every one is.
+    model = ResNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hs.Monitor(model, every=1) as mon:
+        hooks = mon._module_hooks
+        checked = []
+        for _ in range(2):
+            model(images()).square().mean().backward()
+            state = hooks.now
+            flags = [f for f in state.trail.flags if f.phase not in ("param", "input")]
+            checked.append({(f.module, f.phase) for f in flags if f.checked})
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    before, after = checked
+    assert {(n, "forward") for n in ("conv1", "layer1.0.conv1", "fc")} <= before
+    assert after == {("", "forward"), ("", "backward")}
+    assert state.light and state.sampled
+    assert ("conv1", "bn1") in state.graph().edges  # who fed whom: still known
+    assert [f.module for f in state.trail.flags if f.phase == "forward"][:2] == ["conv1", "bn1"]
+    assert mon.records[-1]["act"]["conv1"]  # and the statistics of every module
+
+
 def test_a_call_counts_towards_the_statistics_on_sampled_training_steps_only() -> None:
     model = ResNet()
     with hs.Monitor(model, every=2) as mon:

@@ -62,8 +62,11 @@ class Monitor:
     of its output; per parameter: norm, gradient norm (read just before the optimizer step,
     after accumulation and unscaling) and update-to-weight ratio ``||ΔW|| / ||W||`` around
     ``optimizer.step()``; BatchNorm running statistics and their drift; learning rates.
-    Non-finite values are checked on every step, in every element, at the cost of one
-    reduction per module output and gradient.
+    Non-finite values are checked on every step, in every element, where every NaN/Inf that
+    matters passes: the model's inputs and outputs, the gradient reaching its outputs and
+    every parameter's gradient (one fused pass); a replay of the failing step under an
+    op-level tracer names the first module and op. Where no replay can run (several ranks,
+    sharded parameters), every module output and gradient is checked instead.
 
     The optimizer is found, not passed: every optimizer that steps a parameter of ``model``
     is adopted when it first steps (created before or after the Monitor, several of them,
@@ -381,8 +384,13 @@ class Monitor:
         )
 
     def _new_state(self) -> StepState:
+        """The next step's state. Only the model's edges are checked where a replay can
+        localise (``_decide.py``); on a sampled step, only once an optimizer is adopted: its
+        check runs before the update, where a replay meets the step's own weights (a
+        hand-written update runs before ``step()``), so module outputs are checked there."""
         sampled = self.sampled
-        return StepState(sampled=sampled, light=self._decision.light and not sampled)
+        light = self._decision.light and (not sampled or bool(self._optim.adopted))
+        return StepState(sampled=sampled, light=light)
 
     def _end_step(self) -> None:
         self._tape.reset()

@@ -2,9 +2,9 @@
 
 The trail's flags (``_nonfinite.py``) name the module whose output or gradient went bad
 first. The first time a finding is seen, a replay of the step under the op tracer
-(``_trace.py``) adds the op, the phase and the source line. On unsampled steps only the
-model's edges are flagged; where the tracer names no op (the data itself was NaN, say), the
-step is replayed once more with every watched module flagged, and where that finds nothing
+(``_trace.py``) adds the op, the phase and the source line. Only the model's edges are
+flagged; where the tracer names no op (the data itself was NaN, say), the step is replayed
+once more with every watched module flagged, and where that finds nothing
 either, every module is flagged from then on. Weights that an earlier update made
 non-finite are one finding, not a new one at every later step (``_poisoned.py``). Under
 ``torch.distributed``, the rank where the value first went bad localises it and hands the
@@ -61,9 +61,10 @@ class NonFiniteDecision:
         self.can_trace = not sharded and not any(
             isinstance(m, nn.SyncBatchNorm) for m in model.modules()
         )
-        # Unsampled steps: the flags at the model's edges (its inputs and outputs, the gradient
+        # Every step: the flags at the model's edges (its inputs and outputs, the gradient
         # reaching them, the parameters' gradients) find a NaN/Inf, and a replay of the step
-        # finds its module and op; a module call costs next to nothing. Where no replay can
+        # finds its module and op; a module call costs next to nothing (a sampled step's
+        # measures its sample, not every element). Where no replay can
         # (several ranks, or a replay that found nothing), every module output is flagged.
         self.light = self.can_trace and coll is None and not root_watched
 
@@ -83,7 +84,9 @@ class NonFiniteDecision:
     def bad_bits(self, state: StepState) -> torch.Tensor:
         """This rank's bits for the collective: a NaN/Inf in its forward pass, its backward
         pass, its parameters' gradients."""
-        flags = [(("flag", i), flag.phase) for i, flag in enumerate(state.trail.flags)]
+        flags = [
+            (("flag", i), flag.phase) for i, flag in enumerate(state.trail.flags) if flag.checked
+        ]
         return self._coll.bad_bits(state.buf, flags)
 
     def before_update(

@@ -3,9 +3,9 @@
 :class:`ModuleHooks` puts a forward hook on every watched module (the probes, the non-finite
 trail and a hook on each output's gradient), one on every other module (which outputs a
 container returned: ``StepState.dead_ends``) and the tape on the outermost calls
-(``_trace.py``: the model's edges, flagged on unsampled steps). The hooks write into the
-current :class:`StepState` (``now``), which the Monitor replaces as each step ends and the
-non-finite decision swaps for a replay's (``flagging``).
+(``_trace.py``: the model's edges, flagged on every step where a replay can localise). The
+hooks write into the current :class:`StepState` (``now``), which the Monitor replaces as each
+step ends and the non-finite decision swaps for a replay's (``flagging``).
 
 They run at every module call: each does its work inline, with no call into another layer.
 Inside a compiled graph the forward hook takes the branch of ``_compiled.py``, which reads
@@ -109,7 +109,8 @@ class ModuleHooks:
         if self.tape.paused and not s.flagging:  # a replay under the op tracer
             return
         s.hooks_ran = True
-        if s.light and self.tape.recording:
+        sampled = s.sampled
+        if not sampled and s.light and self.tape.recording:
             return  # the edges' flags and a replay stand for this call's
         outs = [t for t in tensors(output) if t.is_floating_point()]
         if in_backward_recompute():
@@ -121,15 +122,18 @@ class ModuleHooks:
             return
         if not outs:
             return
-        sampled = s.sampled
-        light = not sampled and name in self._pass_through
-        outs = s.trail.forward(s.buf, name, tensors(args), outs, pass_through=light)
+        passes = not sampled and name in self._pass_through
+        # A sampled step where the edges are checked: the trail still learns who fed whom
+        # (the graph, aliases), without a reduction of every output (``check``).
+        outs = s.trail.forward(
+            s.buf, name, tensors(args), outs, pass_through=passes, check=not s.light
+        )
         if not outs:  # it returned its input: an alias of the module that made it
             return
         if torch.is_grad_enabled():
             if sampled:
                 s.made[name] = {t.data_ptr() for t in outs if t.requires_grad}
-            if not light:
+            if not passes:
                 self._hook_grads(name, outs)
         else:
             s.no_grad_names.add(name)
@@ -147,14 +151,15 @@ class ModuleHooks:
         for sampled steps, one for the others) and the module's index tensor."""
         s = self.now
         s.hooks_ran = True
-        if s.light and self.tape.recording:
+        # ``sampled`` first: a sampled step's graph then guards on it alone
+        if not s.sampled and s.light and self.tape.recording:
             return None  # the edges' flags and a replay stand for this call's
         return self._compiled.forward(index, module, args, output, sampled=s.sampled)
 
     def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """Unsampled steps: flag the inputs and outputs of each outermost call into the model
-        (the model, or a child the training loop calls directly: ``name``), and hook the
-        gradient that reaches its outputs (every NaN/Inf that matters passes one of them, or
+        """Where the edges are checked (``StepState.light``): flag the inputs and outputs of
+        each outermost call into the model (the model, or a child the training loop calls
+        directly: ``name``), and hook the gradient that reaches its outputs (every NaN/Inf that matters passes one of them, or
         a parameter's gradient). Called by the tape as each such call returns."""
         if self._compiled.ran and not self.tape.paused and torch.is_grad_enabled():
             self._hear_backward(output)
@@ -205,7 +210,8 @@ class ModuleHooks:
         self.grad_calls += 1
         s = self.now
         s.got_grad.add(name)
-        s.trail.backward(s.buf, name, grad)
+        if not s.light:  # else the edges' flags and the parameters' stand for it
+            s.trail.backward(s.buf, name, grad)
         if s.sampled:
             self._grads.backward(s.buf, name, grad)
             if self._precision is not None:

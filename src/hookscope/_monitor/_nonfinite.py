@@ -103,7 +103,8 @@ class NonFiniteTrail:
                 maker = self._storage.get(t.data_ptr()) if not t.requires_grad else None
                 if maker is not None:  # another module's output, cut from autograd
                     self.detached.add(maker)
-                if not check:
+                if not check:  # not flagged; an output that is this input is still an alias
+                    passed[id(t)] = t._version
                     continue
                 index = self._add(
                     buf, Flag("input", name), _nan_flag(t) if nan_inputs else flag_sum(t)
