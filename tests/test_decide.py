@@ -24,7 +24,8 @@ def test_a_nan_in_the_batch_is_named_by_a_flagged_replay_that_leaves_the_step_al
     model = ResNet()
     x = images()
     x[1, 0, 3, 3] = math.nan
-    with hs.Monitor(model, every=None) as mon:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # adopted: its check replays the step
+    with hs.Monitor(model, every=None, optimizer=opt) as mon:
         passes(model, x)
         state, decision = mon._now, mon._decision
         assert state.light  # unsampled: only the model's edges were flagged
@@ -50,17 +51,34 @@ def test_a_nan_no_replay_reproduces_makes_every_module_flagged_from_then_on() ->
         return None
 
     model.fc.register_forward_hook(spoil)  # before the Monitor's own hooks
-    with hs.Monitor(model, every=None) as mon:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with hs.Monitor(model, every=None, optimizer=opt) as mon:
         named = []
         for _ in range(2):
             model(images())[:, 0].sum().backward()  # the loss never sees the NaN
             light = mon._now.light
+            opt.zero_grad()  # no update: the check runs at step()
             found = [f for f in mon.step() if f.kind == "nonfinite"]
             named.append((light, found[0].module if found else None))
         assert mon._decision.light is False and mon._now.light is False
     # Step 0: only the edges were flagged, and no replay finds the value: the model's output
     # is named. Step 1: every module is flagged, and the module is named.
     assert named == [(True, ""), (False, "fc")]
+
+
+def test_without_an_optimizer_every_module_is_checked() -> None:
+    # A hand-written update runs before step(): a replay there would meet the new weights.
+    model = ResNet()
+    with hs.Monitor(model, every=None) as mon:
+        for _ in range(2):
+            passes(model, images())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 1e-3 * p.grad
+                    p.grad = None
+            assert not mon._now.light
+            assert {"conv1", "fc"} <= {f.module for f in mon._now.trail.flags}
+            mon.step()
 
 
 def test_the_weights_an_update_made_non_finite_are_found_after_it() -> None:

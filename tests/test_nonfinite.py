@@ -329,12 +329,12 @@ def test_unsampled_steps_name_the_same_module_as_sampled_ones(inner) -> None:
 # -- weights made non-finite by an update: one finding, not a new origin every step ------------
 
 
-def poisoned_run(model, x, loss, bad_step=1, steps=5, update=None, fault=None):
+def poisoned_run(model, x, loss, bad_step=1, steps=5, update=None, fault=None, every=1):
     """Train with the NaN-making op switched on at ``bad_step`` only; the findings new at
     each step."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     per_step = []
-    with hs.Monitor(model, every=1) as mon:
+    with hs.Monitor(model, every=every) as mon:
         for step in range(steps):
             fault(step == bad_step)
             opt.zero_grad()
@@ -401,7 +401,8 @@ def test_gpt2_weights_poisoned_by_an_update_are_one_finding() -> None:
     assert not torch.isfinite(model.transformer.wte.weight).all()
 
 
-def test_cnn_weights_poisoned_by_a_manual_update_are_one_finding() -> None:
+@pytest.mark.parametrize("every", [1, None])
+def test_cnn_weights_poisoned_by_a_manual_update_are_one_finding(every: int | None) -> None:
     """No torch.optim: the update runs before mon.step(), which finds the weights it wrote."""
     from models import images
 
@@ -412,7 +413,7 @@ def test_cnn_weights_poisoned_by_a_manual_update_are_one_finding() -> None:
 
     model, fault = cnn_with_a_log_in_its_forward()
     mon, per_step = poisoned_run(
-        model, images(), lambda out: out.square().mean(), update=sgd, fault=fault
+        model, images(), lambda out: out.square().mean(), update=sgd, fault=fault, every=every
     )
     # The update ran before mon.step(): the replay of step 1 meets NaN weights everywhere and
     # names no op, so the first finding is the flags' own (the loss's gradient at 'fc').

@@ -385,12 +385,11 @@ class Monitor:
 
     def _new_state(self) -> StepState:
         """The next step's state. Only the model's edges are checked where a replay can
-        localise (``_decide.py``); on a sampled step, only once an optimizer is adopted: its
-        check runs before the update, where a replay meets the step's own weights (a
-        hand-written update runs before ``step()``), so module outputs are checked there."""
-        sampled = self.sampled
-        light = self._decision.light and (not sampled or bool(self._optim.adopted))
-        return StepState(sampled=sampled, light=light)
+        localise (``_decide.py``), once an optimizer is adopted: its check runs before the
+        update, where a replay meets the step's own weights. Before that (a hand-written
+        update runs before ``step()``), every module's output and gradient is checked."""
+        light = self._decision.light and bool(self._optim.adopted)
+        return StepState(sampled=self.sampled, light=light)
 
     def _end_step(self) -> None:
         self._tape.reset()
