@@ -39,7 +39,8 @@ class Wiring:
     ``coll``: the collective when the ranks' figures are combined, over ``world`` ranks;
     ``keep_outputs``: the tape keeps the outermost calls' outputs (for a replay bundle);
     ``step()``: the number of the step under way. The hooks are removed when building fails
-    half-way, as by :meth:`close`."""
+    half-way, as by :meth:`close`. (The constructor is long, and straight: each part once, in
+    the order they depend on each other; the optimizer hooks go on before the checks'.)"""
 
     def __init__(
         self,
