@@ -75,6 +75,15 @@ def test_row_statistics_of_padded_samples_equal_each_sample_alone(dtype) -> None
         torch.testing.assert_close(extremes[i], expected, equal_nan=True)
 
 
+def test_padded_rows_equal_pad_sequence_and_reuse_their_index() -> None:
+    rows = Rows()
+    for value in (0.0, -1.0):
+        xs = [torch.randn(n) for n in (5, 1, 9, 3)]
+        want = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True, padding_value=value)
+        assert torch.equal(rows.padded(xs, value), want)
+    assert len([k for k in rows._cache if k[0] == "padded"]) == 1  # one index per layout
+
+
 def test_dead_unit_estimate_from_positions_matches_the_exact_fraction() -> None:
     x = torch.randn(64, 256, 16, 16)
     x[:, :64] = -x[:, :64].abs()  # a quarter of the channels always off

@@ -226,6 +226,22 @@ class Rows:
             lambda: torch.tensor(values, dtype=dtype, device=device),
         )
 
+    def padded(self, xs: list[torch.Tensor], value: float) -> torch.Tensor:
+        """The 1-D ``xs`` (one dtype, one device) as the rows of one tensor, filled with
+        ``value`` past each one's end: three ops, whatever their number (``pad_sequence``
+        copies row by row)."""
+        lengths = tuple(x.numel() for x in xs)
+        width, device = max(lengths), xs[0].device
+
+        def where() -> torch.Tensor:  # each element's place in the flattened rows
+            starts = range(0, len(xs) * width, width)
+            parts = [torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+            return torch.cat(parts).to(device)
+
+        index = self.cached(("padded", lengths, device), where)
+        rows = torch.full((len(xs) * width,), value, dtype=xs[0].dtype, device=device)
+        return rows.index_copy_(0, index, torch.cat(xs)).view(len(xs), width)
+
     def pad(self, xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The 1-D ``xs`` (one dtype, one device) as the rows of one tensor, zero-padded to
         the longest; the mask of their values (``None``: no padding) and their lengths (in
@@ -237,7 +253,7 @@ class Rows:
             return xs[0].reshape(1, -1), None, n
         if min(lengths) == max(lengths):
             return torch.stack(xs), None, n
-        rows = torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)
+        rows = self.padded(xs, 0.0)
 
         def mask() -> torch.Tensor:
             ends = self.const(lengths, device, torch.long)

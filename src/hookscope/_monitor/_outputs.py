@@ -209,8 +209,8 @@ class Activations:
         if not names:
             return
         pad = max(TOP_CHANNELS - max(v.numel() for v in values), 0)
-        chans = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=-1.0)
-        chans = F.pad(chans, (0, pad), value=-1.0)
+        chans = self.rows.padded(values, -1.0)
+        chans = F.pad(chans, (0, pad), value=-1.0) if pad else chans
         top, index = chans.topk(TOP_CHANNELS, dim=1)
         kept = ~(top < 0)  # not padding (a NaN maximum is kept, as topk ranks it first)
         tops = torch.cat(
