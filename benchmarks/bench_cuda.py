@@ -19,6 +19,9 @@ still reports what it measured:
 - ``cudagraphs``: ``torch.compile(mode="reduce-overhead")`` with the Monitor attached before:
   CUDA graphs skipped (Inductor's ``cudagraph_skips`` counter and its reasons) against the
   bare model.
+- ``profile``: GPT-2 6x768, eager and compiled, bare, ``every=None`` and ``every=1``: wall
+  time against the device's busy time per step, the ops and the Monitor's functions with the
+  most host time.
 - ``eager`` and ``compiled``: the step time with the Monitor against the bare step, paired and
   interleaved as in ``bench_monitor.py`` (a step ends with ``loss.item()``, which waits for
   the device, so host clocks time the whole step).
@@ -442,6 +445,83 @@ def part_compiled(device: str, pairs: int) -> dict:
     return part_eager(device, pairs, rows, wrap=torch.compile, models=COMPILED_MODELS)
 
 
+def part_profile(device: str, steps: int = 3) -> dict:
+    """Where a step's time goes: wall time against the device's busy time per step (the gap
+    is the device waiting for the host), the ops with the most host time (torch.profiler),
+    and the Monitor's own Python functions with the most host time (cProfile)."""
+    import cProfile
+    import pstats
+
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    cases = [
+        ("GPT-2 6x768 compiled, bare", True, "bare"),
+        ("GPT-2 6x768 compiled, every=None", True, None),
+        ("GPT-2 6x768 compiled, every=1", True, 1),
+        ("GPT-2 6x768 eager, bare", False, "bare"),
+        ("GPT-2 6x768 eager, every=None", False, None),
+        ("GPT-2 6x768 eager, every=1", False, 1),
+    ]
+    out = {}
+    for label, compiled, every in cases:
+        torch._dynamo.reset()
+        model, loss_of, make_opt = gpt2(device, layers=6, width=768, tokens=512, vocab=50257)
+        opt = make_opt(model)
+        mon = None if every == "bare" else hs.Monitor(model, every=every)
+        call = torch.compile(model) if compiled else model
+        try:
+            for _ in range(4):
+                one_step(call, loss_of, opt, mon).item()
+            activities = [ProfilerActivity.CPU]
+            if device.startswith("cuda"):
+                activities.append(ProfilerActivity.CUDA)
+            t0 = time.perf_counter()
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    one_step(call, loss_of, opt, mon).item()
+            wall = (time.perf_counter() - t0) / steps * 1e3
+            events = prof.key_averages()
+            busy = sum(
+                getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                for e in events
+            )
+            top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(steps):
+                one_step(call, loss_of, opt, mon).item()
+            pr.disable()
+            stats = pstats.Stats(pr).stats  # type: ignore[attr-defined]
+            ours = sorted(
+                (
+                    (v[2] / steps * 1e3, v[3] / steps * 1e3, f"{Path(k[0]).name}:{k[1]} {k[2]}")
+                    for k, v in stats.items()
+                    if "hookscope" in k[0]
+                ),
+                reverse=True,
+            )[:15]
+            out[label] = {
+                "wall_ms": round(wall, 2),
+                "device_busy_ms": round(busy / steps / 1e3, 2),
+                "top_host_ops_ms": [
+                    (e.key[:60], round(e.self_cpu_time_total / steps / 1e3, 3)) for e in top
+                ],
+                "hookscope_tottime_cumtime_ms": [(round(a, 3), round(b, 3), n) for a, b, n in ours],
+            }
+        except Exception as e:
+            traceback.print_exc(limit=-4)
+            out[label] = {"error": bm.one_line(e)}
+        finally:
+            if mon is not None:
+                mon.close()
+        print(f"   profile {label}: {json.dumps(out[label])[:400]}", flush=True)
+        del model, call, opt
+        torch.cuda.empty_cache() if device.startswith("cuda") else None
+    return out
+
+
 PARTS = {
     "equal": lambda a: part_equal(a.device),
     "nonfinite": lambda a: part_nonfinite(a.device),
@@ -450,6 +530,7 @@ PARTS = {
     "eager": lambda a: part_eager(a.device, a.pairs),
     "cudagraphs": lambda a: part_cudagraphs(a.device),
     "compiled": lambda a: part_compiled(a.device, a.pairs),
+    "profile": lambda a: part_profile(a.device),
 }
 
 
