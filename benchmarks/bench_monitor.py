@@ -360,6 +360,9 @@ class _NoChecks:
     def before_backward(self) -> None:
         pass
 
+    def begin(self, buf: Any) -> None:
+        pass
+
     def collect(self, buf: Any, sampled: bool) -> None:
         pass
 
@@ -374,7 +377,7 @@ class _NoChecks:
 
 
 def without_checks(model: nn.Module, **kwargs: Any) -> Monitor:
-    with mock.patch("hookscope._monitor.Checks", _NoChecks):
+    with mock.patch("hookscope._monitor._wiring.Checks", _NoChecks):
         return Monitor(model, **kwargs)
 
 
@@ -395,7 +398,7 @@ class _NoWindow:
 
 
 def without_window(model: nn.Module, **kwargs: Any) -> Monitor:
-    with mock.patch("hookscope._monitor.SpikeWatch", _NoWindow):
+    with mock.patch("hookscope._monitor._probeset.SpikeWatch", _NoWindow):
         return Monitor(model, **kwargs)
 
 

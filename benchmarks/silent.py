@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -601,26 +600,6 @@ def run_cases(multi: bool = True) -> None:
 
 
 # -- cost ---------------------------------------------------------------------------------------
-class _NoChecks:
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def before_backward(self) -> None:
-        pass
-
-    def collect(self, buf, sampled) -> None:
-        pass
-
-    def layout(self, rank) -> list:
-        return []
-
-    def read(self, host, record) -> list:
-        return []
-
-    def close(self) -> None:
-        pass
-
-
 def _timed_step(model: nn.Module, opt: torch.optim.Optimizer, mon: hs.Monitor, ids) -> float:
     t = time.perf_counter()
     opt.zero_grad()
@@ -636,6 +615,9 @@ def cost(pairs: int) -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_monitor import without_checks
+
     from models import gpt2, token_ids
 
     torch.manual_seed(0)
@@ -648,8 +630,7 @@ def cost(pairs: int) -> None:
             if key == "with":
                 mons[key] = hs.Monitor(model, every=every)
             else:
-                with mock.patch("hookscope._monitor.Checks", _NoChecks):
-                    mons[key] = hs.Monitor(model, every=every)
+                mons[key] = without_checks(model, every=every).mon  # an hs.Monitor inside
         ids = token_ids(8, 64)
         totals = {"with": 0.0, "without": 0.0}
 
