@@ -178,7 +178,8 @@ class NonFiniteDecision:
         finally:
             self._tape.paused = False
         if origin is not None:
-            return origin.refine(finding)
+            # where only the edges were flagged, their message says no more than the op's
+            return origin.refine(finding, cheap_check=not state.light)
         if state.light:  # only the model's edges were flagged
             flagged = self._flagged_replay(finding.step)
             if flagged is not None:
