@@ -566,3 +566,21 @@ def test_the_probe_choice_is_marked_constant_as_torch_marks_one() -> None:
     marks = vars(marked)
     assert marks
     assert all(getattr(_compiled._functions_trace, k, None) == v for k, v in marks.items())
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 5, 7), (8, 6, 9), (40, 6)])
+def test_a_batch_norm_sample_from_its_input_is_the_sample_of_its_output(
+    shape: tuple[int, ...],
+) -> None:
+    from hookscope._monitor._compiled import _batch_norm_sample
+
+    bn = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d}[len(shape)](6).train()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 2.0)
+        bn.bias.uniform_(-1.0, 1.0)
+    x = torch.randn(shape) * 3 + 1
+    out = bn(x).detach()
+    got = _batch_norm_sample(bn, out, [x], 64)
+    assert got is not None
+    torch.testing.assert_close(got, Sampler(64)(out), rtol=1e-5, atol=1e-5)
+    assert _batch_norm_sample(bn.eval(), out, [x], 64) is None  # running statistics
