@@ -80,7 +80,7 @@ def test_nan_origin_is_the_module_whose_output_turned_nonfinite() -> None:
     mon = train(MLP(), before_step=poison)
     nonfinite = [f for f in mon.findings if f.kind == "nonfinite"]
     assert (nonfinite[0].module, nonfinite[0].step) == ("risky", 7)
-    assert "inputs were finite" in nonfinite[0].message
+    assert "aten.log in 'risky' made NaN from finite inputs" in nonfinite[0].message
     # the NaN gradients then poison fc1's weights in step 7's update: said once, as such
     assert [(f.module, f.step, f.phase) for f in nonfinite[1:]] == [("fc1", 7, "update")]
 
