@@ -93,9 +93,12 @@ def test_a_monitored_step_reads_nothing_from_the_device_the_bare_step_does_not(
     assert watched == bare  # step by step, sampled (even) and unsampled (odd) alike
 
 
-def transfers_per_step(every: int | None, given: Callable[[torch.Tensor], Any]) -> list[int]:
+def transfers_per_step(
+    every: int | None, given: Callable[[torch.Tensor], Any], clips: int = 1
+) -> list[int]:
     """Device-to-host transfers of the Monitor's buffer in steps 2 to 5 of GPT-2 trained
-    with AdamW and gradient clipping, ``mon.step(loss=given(loss))``."""
+    with AdamW and gradient clipping (``clips``: one call per part of the parameters),
+    ``mon.step(loss=given(loss))``."""
     from hookscope._monitor import _buffer
 
     calls = []
@@ -116,7 +119,9 @@ def transfers_per_step(every: int | None, given: Callable[[torch.Tensor], Any]) 
             calls.clear()
             loss = loss_of(model, data())
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            params = list(model.parameters())
+            for part in range(clips):
+                torch.nn.utils.clip_grad_norm_(params[part::clips], 1.0)
             opt.step()
             opt.zero_grad()
             mon.step(loss=given(loss))
@@ -135,3 +140,5 @@ def test_an_unsampled_step_moves_its_values_once_before_the_update(given: Callab
     assert transfers_per_step(None, given) == [1, 1, 1, 1]
     # Sampled steps (even) move again after the update, for the update ratios.
     assert transfers_per_step(2, given) == [2, 1, 2, 1]
+    # Two clips (a model in parts): their total norm is made once and moves once too.
+    assert transfers_per_step(None, given, clips=2) == [1, 1, 1, 1]

@@ -33,6 +33,7 @@ class Heard:
         self.clip_norms: list[tuple[torch.Tensor, float]] = []  # (total norm, p), pre-clip
         self.scaler_skips: list[torch.optim.Optimizer] = []  # steps GradScaler skipped
         self.scaler_cause: Finding | None = None  # the overflow it skipped for, if located
+        self._grad_norm: tuple[int, torch.Tensor] | None = None  # (clips, their norm)
 
     def scalars(self) -> dict[str, torch.Tensor]:
         """``loss``, ``grad_scale`` and, when the step clipped, ``grad_norm`` (the norm of
@@ -43,10 +44,18 @@ class Heard:
         if self.scale is not None:
             found["grad_scale"] = self.scale
         if self.clip_norms:
+            found["grad_norm"] = self._clip_norm()
+        return found
+
+    def _clip_norm(self) -> torch.Tensor:
+        """The clips' total norm, made once per clip heard: the same tensor every time it is
+        asked for (the transfer before an update carries it, ``step()`` then knows it moved)."""
+        if self._grad_norm is None or self._grad_norm[0] != len(self.clip_norms):
             norms = [n.float().reshape(()) for n, _ in self.clip_norms]
             p = self.clip_norms[0][1]
-            found["grad_norm"] = norms[0] if len(norms) == 1 else vector_norm(torch.stack(norms), p)
-        return found
+            total = norms[0] if len(norms) == 1 else vector_norm(torch.stack(norms), p)
+            self._grad_norm = (len(self.clip_norms), total)
+        return self._grad_norm[1]
 
     def scalers_overflow(self, nonfinite: Finding, scale: float | None) -> bool:
         """A gradient that overflowed under a loss scale above 1, in a step GradScaler then
