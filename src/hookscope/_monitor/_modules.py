@@ -159,8 +159,9 @@ class ModuleHooks:
     def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Where the edges are checked (``StepState.light``): flag the inputs and outputs of
         each outermost call into the model (the model, or a child the training loop calls
-        directly: ``name``), and hook the gradient that reaches its outputs (every NaN/Inf that matters passes one of them, or
-        a parameter's gradient). Called by the tape as each such call returns."""
+        directly: ``name``), and hook the gradient that reaches its outputs (every NaN/Inf
+        that matters passes one of them, or a parameter's gradient). Called by the tape as
+        each such call returns."""
         if self._compiled.ran and not self.tape.paused and torch.is_grad_enabled():
             self._hear_backward(output)
         s = self.now

@@ -29,8 +29,8 @@ __all__ = ["Transfer"]
 class Transfer:
     """Moves a step's buffer to the host.
 
-    ``layout(rank)``: what the probes and checks put in a sampled step's collective. ``bad_bits(state)``:
-    this rank's non-finite bits for it (``_decide.py``)."""
+    ``layout(rank)``: what the probes and checks put in a sampled step's collective;
+    ``bad_bits(state)``: this rank's non-finite bits for it (``_decide.py``)."""
 
     def __init__(
         self,
