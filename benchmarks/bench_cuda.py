@@ -483,11 +483,13 @@ def part_profile(device: str, steps: int = 3) -> dict:
                     one_step(call, loss_of, opt, mon).item()
             wall = (time.perf_counter() - t0) / steps * 1e3
             events = prof.key_averages()
-            busy = sum(
-                getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-                for e in events
+            device_time = lambda e: getattr(  # noqa: E731
+                e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)
             )
+            busy = sum(device_time(e) for e in events)
             top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+            kernels = [e for e in events if device_time(e) > 0]
+            top_device = sorted(kernels, key=lambda e: -device_time(e))[:15]
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(steps):
@@ -507,6 +509,11 @@ def part_profile(device: str, steps: int = 3) -> dict:
                 "device_busy_ms": round(busy / steps / 1e3, 2),
                 "top_host_ops_ms": [
                     (e.key[:60], round(e.self_cpu_time_total / steps / 1e3, 3)) for e in top
+                ],
+                "device_kernels_per_step": round(sum(e.count for e in kernels) / steps),
+                "top_device_ops_ms_calls": [
+                    (e.key[:60], round(device_time(e) / steps / 1e3, 3), e.count // steps)
+                    for e in top_device
                 ],
                 "hookscope_tottime_cumtime_ms": [(round(a, 3), round(b, 3), n) for a, b, n in ours],
             }
