@@ -445,7 +445,7 @@ def part_compiled(device: str, pairs: int) -> dict:
     return part_eager(device, pairs, rows, wrap=torch.compile, models=COMPILED_MODELS)
 
 
-def part_profile(device: str, steps: int = 3) -> dict:
+def part_profile(device: str, steps: int = 3, only: str = "") -> dict:
     """Where a step's time goes: wall time against the device's busy time per step (the gap
     is the device waiting for the host), the ops with the most host time (torch.profiler),
     and the Monitor's own Python functions with the most host time (cProfile)."""
@@ -465,7 +465,7 @@ def part_profile(device: str, steps: int = 3) -> dict:
         ("GPT-2 6x768 eager, every=1", False, 1),
     ]
     out = {}
-    for label, compiled, every in cases:
+    for label, compiled, every in [c for c in cases if only in c[0]]:
         torch._dynamo.reset()
         model, loss_of, make_opt = gpt2(device, layers=6, width=768, tokens=512, vocab=50257)
         opt = make_opt(model)
@@ -537,7 +537,7 @@ PARTS = {
     "eager": lambda a: part_eager(a.device, a.pairs),
     "cudagraphs": lambda a: part_cudagraphs(a.device),
     "compiled": lambda a: part_compiled(a.device, a.pairs),
-    "profile": lambda a: part_profile(a.device),
+    "profile": lambda a: part_profile(a.device, only=a.profile),
 }
 
 
@@ -548,6 +548,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--only", default=",".join(PARTS))
+    parser.add_argument("--profile", default="", help="profile only the cases naming this")
     parser.add_argument("--small", action="store_true", help="the first model of each list only")
     args = parser.parse_args()
     if args.small:
