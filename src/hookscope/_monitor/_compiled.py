@@ -356,8 +356,8 @@ _COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum}
 
 
 def _combine(acc: torch.Tensor, index: torch.Tensor, values: dict[str, Any]) -> torch.Tensor:
-    """``acc`` with ``values`` (by column) combined into row ``index`` (each column by its kind), and the call counter in the last
-    row advanced: one pointwise kernel."""
+    """``acc`` with ``values`` (by column) combined into row ``index``, each column by its
+    kind, and the call counter in the last row advanced: one pointwise kernel."""
     value = _by_column(values, _COLS, acc.device)
     columns = torch.arange(len(_COLS), device=acc.device)
     written = torch.zeros(len(_COLS), dtype=torch.bool, device=acc.device)
@@ -373,8 +373,8 @@ def _combine(acc: torch.Tensor, index: torch.Tensor, values: dict[str, Any]) -> 
 
 
 def _sample_stats(x: torch.Tensor, bounds: tuple[float, float] | None) -> dict[str, Any]:
-    """:func:`~hookscope._stats.moments` and the extremes of a 1-D sample, by column: reductions
-    over one range, which Inductor makes one kernel."""
+    """:func:`~hookscope._stats.moments` and the extremes of a 1-D sample, by column:
+    reductions over one range, which Inductor makes one kernel."""
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     if not x.numel():
