@@ -48,9 +48,9 @@ cannot hold): producer-to-consumer edges, detached outputs and dead ends (a samp
 ``graph`` has no compiled module), an output that aliases an input (here: an output that *is*
 an input, or a dropout that cannot drop), activation-checkpoint recompute detection,
 histograms (``bincount`` has a data-dependent shape), the top outlier channels, the
-attention-logit probe (it swaps torch functions while a module runs), ``precision=``, the checks' forward hooks (``eval`` records,
-``eval_randomness``, ``eval_mismatch``: a compiled evaluation pass is only checked for
-NaN/Inf), and per-rank statistics combined across ranks.
+attention-logit probe (it swaps torch functions while a module runs), ``precision=``, the
+checks' forward hooks (``eval`` records, ``eval_randomness``, ``eval_mismatch``: a compiled
+evaluation pass is only checked for NaN/Inf), and per-rank statistics combined across ranks.
 """
 
 from __future__ import annotations
