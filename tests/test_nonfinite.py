@@ -467,7 +467,7 @@ def test_repaired_weights_are_watched_again() -> None:
 
 def test_a_finite_float16_model_whose_sums_pass_65504_is_not_a_nan() -> None:
     """Every value finite and below float16's largest (65504), but their sums and the
-    gradients' L1 norms far above it: the checks accumulate in float32."""
+    gradients' norms far above it: the checks accumulate in float32."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8)).half()
     with torch.no_grad():
@@ -483,6 +483,35 @@ def test_a_finite_float16_model_whose_sums_pass_65504_is_not_a_nan() -> None:
         opt.step()
         mon.step()
     assert [f for f in mon.findings if f.kind == "nonfinite"] == []
+
+
+@pytest.mark.parametrize("on_nonfinite", ["log", "raise"])
+def test_a_finite_gradient_whose_l2_norm_overflows_is_not_a_nan(on_nonfinite: str) -> None:
+    """A gradient's flag is its L2 norm, whose float32 sum of squares overflows once an
+    element passes 1.8e19: every element here is finite (1e20), the norm is not, and the
+    Monitor asks the gradient itself before it calls that a NaN/Inf."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-30)
+    with hs.Monitor(model, every=1, on_nonfinite=on_nonfinite) as mon:
+        model(torch.full((1, 4), 1e20)).sum().backward()
+        grad = model.weight.grad
+        assert torch.isfinite(grad).all() and torch.isinf(torch.linalg.vector_norm(grad))
+        opt.step()  # "raise" would raise here, before the update
+        mon.step()
+    assert [f for f in mon.findings if f.kind == "nonfinite"] == []
+    (record,) = [r for r in mon.records if r["type"] == "step"]
+    assert math.isinf(record["param"]["weight"]["grad_norm"])  # measured as it is
+
+
+def test_a_nan_gradient_whose_l2_norm_is_infinite_is_still_found() -> None:
+    """The re-check reads the gradient: an infinite element stays a finding."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hs.Monitor(model, every=None, on_nonfinite="raise"):
+        model(torch.ones(1, 4)).sum().backward()
+        model.weight.grad[0, 1] = math.inf  # a weight's gradient alone, after the backward
+        with pytest.raises(hs.NonFiniteError, match="'weight'"):
+            opt.step()
 
 
 def test_a_backward_nan_seen_only_on_parameters_is_blamed_on_the_last_one_it_reached() -> None:

@@ -209,13 +209,13 @@ def test_weight_norms_follow_updates_moved_weights_and_transposed_ones() -> None
         assert got["1"] == pytest.approx(expected(model[1]), rel=1e-5)
 
 
-def test_group_norms_are_the_l1_norms_of_the_gradients_before_the_update() -> None:
+def test_group_norms_are_the_l2_norms_of_the_gradients_before_the_update() -> None:
     model = mlp()
     seen = {}
 
     def keep(step, phase, arg):
         if phase == "grads" and step == AT:
-            seen.update({n: p.grad.abs().sum().item() for n, p in arg.named_parameters()})
+            seen.update({n: p.grad.square().sum().item() for n, p in arg.named_parameters()})
         if phase == "batch" and step == AT:
             return arg * 30
         return arg
@@ -224,7 +224,7 @@ def test_group_norms_are_the_l1_norms_of_the_gradients_before_the_update() -> No
         train(model, mon, AT + 1, keep)
     (window,) = [r for r in mon.records if r["type"] == "window"]
     for group in ("0", "2", "4"):
-        expected = seen[f"{group}.weight"] + seen[f"{group}.bias"]
+        expected = math.sqrt(seen[f"{group}.weight"] + seen[f"{group}.bias"])
         assert window["groups"][group][-1] == pytest.approx(expected, rel=1e-5)
 
 

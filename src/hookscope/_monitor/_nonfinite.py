@@ -75,6 +75,7 @@ class NonFiniteTrail:
         self.edges: set[tuple[str, str]] = set()  # (producer, consumer) modules
         self.detached: set[str] = set()  # producers whose output a consumer got detached
         self._storage: dict[int, str] = {}  # data_ptr of each output -> module that made it
+        self._params: dict[str, torch.nn.Parameter] = {}  # those whose gradients have flags
 
     def forward(
         self,
@@ -142,13 +143,25 @@ class NonFiniteTrail:
     ) -> None:
         self._add(buf, Flag("backward", name, edge=edge), flag_sum(grad))
 
-    def parameters(self, buf: StepBuffer, params: dict, names: list[str]) -> None:
-        """Flag the gradients an optimizer is about to apply (one fused kernel): a NaN/Inf
-        can arise in a weight's gradient alone (an overflowing recurrent matmul)."""
+    def parameters(self, buf: StepBuffer, params: dict, names: list[str]) -> dict:
+        """Flag the gradients an optimizer is about to apply, by their L2 norms (one fused
+        kernel; torch's L2 norm reads 3x faster than its L1 on a CPU): a NaN/Inf can arise in
+        a weight's gradient alone (an overflowing recurrent matmul). The norms, by name."""
         names = [n for n in names if params[n].grad is not None]
-        sums = norms([local(params[n].grad) for n in names], 1)
-        for n, value in zip(names, sums, strict=True):
+        found = dict(zip(names, norms([local(params[n].grad) for n in names], 2), strict=True))
+        for n, value in found.items():
             self._add(buf, Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n), value)
+            self._params[n] = params[n]
+        return found
+
+    def _overflowed(self, flag: Flag, value: float) -> bool:
+        """Whether an infinite L2 norm of a gradient is only its float32 sum of squares
+        overflowing (an element past 1.8e19) while every element is finite: asked of the
+        gradient itself, on the rare step where a norm is infinite."""
+        param = self._params.get(flag.param) if flag.phase == "param" else None
+        if param is None or param.grad is None or value != math.inf:
+            return False
+        return bool(torch.isfinite(local(param.grad)).all())
 
     def _add(self, buf: StepBuffer, flag: Flag, value: torch.Tensor | None) -> int:
         self.flags.append(flag)
@@ -160,7 +173,10 @@ class NonFiniteTrail:
     def localise(self, host: Host, step: int) -> Finding | None:
         """The module where the first NaN/Inf of this step appeared, forward pass first."""
         bad = [
-            f.checked and not math.isfinite(host[("flag", i)][0]) for i, f in enumerate(self.flags)
+            f.checked
+            and not math.isfinite(host[("flag", i)][0])
+            and not self._overflowed(f, host[("flag", i)][0])
+            for i, f in enumerate(self.flags)
         ]
         if not any(bad):
             return None
@@ -231,7 +247,7 @@ class NonFiniteTrail:
                     step,
                     value(i),
                     "backward",
-                    f"backward: the gradient of {flag.param!r} is NaN/Inf (L1 norm "
+                    f"backward: the gradient of {flag.param!r} is NaN/Inf (L2 norm "
                     f"{value(i)}) {where}, at step {step}",
                 )
         # Only module inputs (never a module's output) were bad: the data itself.

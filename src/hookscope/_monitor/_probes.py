@@ -59,17 +59,29 @@ class Params:
         """Whether any of ``params`` is one of this model's trainable parameters."""
         return any(id(p) in self._name for p in params)
 
-    def read_grads(self, buf: StepBuffer, names: Iterable[str], *, stepped: bool = False) -> None:
-        """Gradient norms; with ``stepped`` (an optimizer steps these), a parameter without
-        a gradient is noted as such."""
+    def read_grads(
+        self,
+        buf: StepBuffer,
+        names: Iterable[str],
+        *,
+        stepped: bool = False,
+        known: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Gradient norms (``known``: the L2 norms already measured, by name); with
+        ``stepped`` (an optimizer steps these), a parameter without a gradient is noted as
+        such."""
         names = list(names)
         if stepped:
             for name in names:
                 if self.params[name].grad is None:
                     buf.set(("param", name, "no_grad"), torch.ones(()))
         names = [n for n in names if self.params[n].grad is not None]
-        grads = [local(self.params[n].grad) for n in names]
-        for name, square in zip(names, norms(grads, squared=True), strict=True):
+        if known is not None and all(n in known for n in names):
+            values = [known[n] for n in names]
+            squares = torch._foreach_mul(values, values) if values else []
+        else:
+            squares = norms([local(self.params[n].grad) for n in names], squared=True)
+        for name, square in zip(names, squares, strict=True):
             buf.set(("param", name, "grad_norm"), square)
 
     def before_update(self, names: list[str]) -> None:

@@ -1,9 +1,9 @@
 """Large-model training signals: a rolling window of cheap per-step scalars, and loss spikes.
 
-On every step the Monitor already reads, for its non-finite check, the L1 norm of every
+On every step the Monitor already reads, for its non-finite check, the L2 norm of every
 parameter's gradient just before the update (one fused ``_foreach_norm``, moved to the host
-with the step's one transfer). :class:`SpikeWatch` reuses those numbers: it sums them per
-parameter group (:func:`group_of`: one transformer block, one embedding, ...) and keeps the
+with the step's one transfer). :class:`SpikeWatch` reuses those numbers: it combines them per
+parameter group (the group's L2 norm) (:func:`group_of`: one transformer block, one embedding, ...) and keeps the
 last steps' loss, total gradient norm and group norms on the host: no kernel and no transfer
 of its own, a few microseconds of Python per step.
 
@@ -163,7 +163,7 @@ class _Row:
 
     step: int
     scalars: dict[str, float]
-    grads: dict[str, float]  # per group: L1 norm of its gradients before the update
+    grads: dict[str, float]  # per group: L2 norm of its gradients before the update
     weights: dict[str, float]  # per group: L1 norm of its weights before the update
 
 
@@ -171,7 +171,7 @@ class SpikeWatch:
     """The rolling window and the ``loss_spike`` rule.
 
     Per step (:meth:`observe`): the loss, ``grad_norm`` when the script clips, the learning
-    rates, and per parameter group the L1 norm of its gradients (read from the non-finite
+    rates, and per parameter group the L2 norm of its gradients (read from the non-finite
     check's per-parameter flags, :meth:`flags` says which) and of its weights (measured by
     :meth:`weights` before the update). A spike is a loss above the range of the
     ``spike_window`` losses before it (:class:`Rolling`: ``spike_k`` noise units and at least
@@ -191,7 +191,7 @@ class SpikeWatch:
         self._spiking = False
 
     def flags(self, start: int, stop: int, params: Sequence[str | None]) -> None:
-        """The non-finite flags ``start:stop`` hold the L1 gradient norms of ``params``."""
+        """The non-finite flags ``start:stop`` hold the L2 gradient norms of ``params``."""
         for index, param in zip(range(start, stop), params, strict=True):
             if param in self.group:
                 self._flags.append((index, self.group[param]))
@@ -202,11 +202,12 @@ class SpikeWatch:
 
     def observe(self, step: int, scalars: dict[str, float], host: Host) -> Spike | None:
         """Add one step to the window; the spike that starts at it, if any."""
-        grads: dict[str, float] = {}
+        squares: dict[str, float] = {}
         for index, group in self._flags:
             value = host.get(("flag", index))
             if value is not None:
-                grads[group] = grads.get(group, 0.0) + value[0]
+                squares[group] = squares.get(group, 0.0) + value[0] ** 2
+        grads = {group: math.sqrt(square) for group, square in squares.items()}
         self._flags = []
         loss = scalars.get("loss")
         score = None if loss is None else self.rule.score(self._losses, loss)

@@ -74,11 +74,11 @@ class Updates:
         """The final gradients of the parameters ``names``: their norms on a sampled step,
         and on every step their non-finite flags and the rolling window's figures."""
         s, probes = self._hooks.now, self._probes
-        if s.sampled:
-            probes.params.read_grads(s.buf, names, stepped=optimizer is not None)
         first = len(s.trail.flags)
-        s.trail.parameters(s.buf, probes.params.params, names)
-        flags = s.trail.flags[first:]  # their L1 norms feed the rolling window too
+        found = s.trail.parameters(s.buf, probes.params.params, names)
+        if s.sampled:  # the flags' L2 norms are the gradient norms: no second pass
+            probes.params.read_grads(s.buf, names, stepped=optimizer is not None, known=found)
+        flags = s.trail.flags[first:]  # their L2 norms feed the rolling window too
         probes.spikes.flags(first, len(s.trail.flags), [f.param for f in flags])
         probes.spikes.weights(s.buf)
 

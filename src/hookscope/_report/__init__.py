@@ -292,7 +292,7 @@ def _windows(runs: list[Run]) -> str:
         )
     note = (
         '<p class="help">Each window: the steps the Monitor kept up to the spike (red line); '
-        "left, the step's scalars; right, the L1 norm of each parameter group's gradients (log).</p>"
+        "left, the step's scalars; right, the L2 norm of each parameter group's gradients (log).</p>"
     )
     return section(
         "windows",

@@ -344,8 +344,8 @@ def _findings(run: Run) -> list[dict[str, Any]]:
 
 def _window(record: dict[str, Any]) -> dict[str, Any]:
     """The steps around a loss spike as the Monitor kept them: the step scalars and each
-    parameter group's gradient and weight L1 norms (a few dozen points: nothing to
-    decimate)."""
+    parameter group's gradient L2 norm and weight-sample L1 norm (a few dozen points:
+    nothing to decimate)."""
     steps = np.asarray(record.get("steps") or [], dtype=np.int64)
     return {
         "step": record.get("step"),
