@@ -157,8 +157,8 @@ class Cleared:
 @dataclass
 class Window:
     """The rolling window around a training signal (a ``loss_spike``): the last steps'
-    scalars and, per parameter group, the L1 norms of its gradients and of its weights
-    before each update, step by step."""
+    scalars and, per parameter group, the L2 norm of its gradients and the L1 norm of a
+    sample of its weights before each update, step by step."""
 
     step: int
     kind: str

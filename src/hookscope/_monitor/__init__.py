@@ -137,7 +137,7 @@ class Monitor:
 
     Large-model signals (``_signals.py``): on every step a rolling window keeps the loss,
     ``grad_norm``, the learning rates and per parameter group (a transformer block, an
-    embedding) its gradients' L1 norm, reused from the non-finite check, and the L1 norm of
+    embedding) its gradients' L2 norm, reused from the non-finite check, and the L1 norm of
     a fixed sample of its weights; a ``loss_spike`` finding names the group whose gradient
     norm or weights left their own range first, with the window in the log (``record_on=("loss_spike",)`` records the step). Sampled steps add
     each module's ``kurtosis`` and ``absmax_over_rms``, and ``massive_activations`` when the

@@ -2,7 +2,7 @@
 
 The optimizers are found by torch's global step hooks (``_optim.py``). Around each update of
 one that steps the model, :class:`Updates` reads the parameters' final gradients (their norms
-on sampled steps; on every step their non-finite flags, whose L1 norms also feed the rolling
+on sampled steps; on every step their non-finite flags, whose L2 norms also feed the rolling
 window of ``_signals.py``), takes the non-finite decision before the optimizer changes
 anything (``_decide.py``), so that ``on_nonfinite="raise"`` raises and ``"skip"`` skips the
 update with the weights and optimizer state untouched, and has the parameter probe measure the

@@ -542,12 +542,12 @@
       const perGroup = (key, what) => {
         const groups = Object.entries(w[key] || {}).filter(([n, y]) => y.some((v) => v != null && v > 0));
         if (!groups.length) return;
-        lineChart(panel(grid), { id: "window:" + r.label + ":" + w.step + ":" + key, own, title: name + ": " + what + " L1 norm per group (log)",
+        lineChart(panel(grid), { id: "window:" + r.label + ":" + w.step + ":" + key, own, title: name + ": " + what + " per group (log)",
           width: width(el, 2), height: 190, log: true, marks,
           series: groups.map(([n, y], i) => ({ label: n, x: w.x, y: y.map((v) => (v > 0 ? v : null)), color: COLORS[i % COLORS.length] })) });
       };
-      perGroup("groups", "gradient");
-      perGroup("weights", "weight");
+      perGroup("groups", "gradient L2 norm");
+      perGroup("weights", "weight-sample L1 norm");
     }));
   }
 
