@@ -111,7 +111,7 @@ def test_a_bad_batch_is_a_spike_with_its_window_in_the_log(tmp_path: Path) -> No
     assert window["steps"] == list(range(AT - lead, AT + 1))
     assert window["scalars"]["loss"] == pytest.approx(losses[AT - lead : AT + 1])
     assert set(window["groups"]) == {"0", "2", "4"}
-    # The group norms are the L1 norms of the gradients the optimizer applied (the last row).
+    # The group norms are the L2 norms of the gradients the optimizer applied (the last row).
     assert all(len(v) == lead + 1 for v in window["groups"].values())
 
 
