@@ -75,7 +75,7 @@ class NonFiniteTrail:
         self.edges: set[tuple[str, str]] = set()  # (producer, consumer) modules
         self.detached: set[str] = set()  # producers whose output a consumer got detached
         self._storage: dict[int, str] = {}  # data_ptr of each output -> module that made it
-        self._params: dict[str, torch.nn.Parameter] = {}  # those whose gradients have flags
+        self._params: dict[str, torch.nn.Parameter] = {}  # by name, for their gradients' flags
 
     def forward(
         self,
@@ -148,10 +148,10 @@ class NonFiniteTrail:
         kernel; torch's L2 norm reads 3x faster than its L1 on a CPU): a NaN/Inf can arise in
         a weight's gradient alone (an overflowing recurrent matmul). The norms, by name."""
         names = [n for n in names if params[n].grad is not None]
+        self._params = params
         found = dict(zip(names, norms([local(params[n].grad) for n in names], 2), strict=True))
         for n, value in found.items():
             self._add(buf, Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n), value)
-            self._params[n] = params[n]
         return found
 
     def _overflowed(self, flag: Flag, value: float) -> bool:
