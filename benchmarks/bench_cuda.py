@@ -453,6 +453,7 @@ def part_profile(device: str, steps: int = 3, only: str = "") -> dict:
     import pstats
 
     import torch._dynamo
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.config.skip_nnmodule_hook_guards = False
@@ -486,9 +487,18 @@ def part_profile(device: str, steps: int = 3, only: str = "") -> dict:
             device_time = lambda e: getattr(  # noqa: E731
                 e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)
             )
-            busy = sum(device_time(e) for e in events)
             top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
-            kernels = [e for e in events if device_time(e) > 0]
+            # Kernels only, as torch's own table sums them: an op on the host carries its
+            # kernels' time too, and a ``record_function`` range (``Optimizer.step#...``) is
+            # a span on the device's timeline, idle gaps included, not work.
+            kernels = [
+                e
+                for e in events
+                if e.device_type != DeviceType.CPU
+                and not getattr(e, "is_user_annotation", False)
+                and device_time(e) > 0
+            ]
+            busy = sum(device_time(e) for e in kernels)
             top_device = sorted(kernels, key=lambda e: -device_time(e))[:15]
             pr = cProfile.Profile()
             pr.enable()
