@@ -254,3 +254,40 @@ def test_step_returns_a_finding_made_before_the_update():
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
         assert mon.step() == []
+
+
+class ClippingAdamW(torch.optim.AdamW):
+    """A research-code optimizer: clip, then AdamW's own step through ``super().step()``.
+    Once any plain AdamW exists in the process, both step methods carry torch's hook
+    wrapper, so the global hooks fire twice for one update."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], 1.0)
+        return super().step(closure)
+
+
+def test_a_subclass_step_calling_super_is_one_update() -> None:
+    torch.optim.AdamW(mlp().parameters())  # wraps AdamW.step itself, as any script's would
+    assert getattr(torch.optim.AdamW.step, "hooked", False)
+    torch.manual_seed(0)
+    model = mlp()
+    opt = ClippingAdamW(model.parameters(), lr=1e-2)
+    assert getattr(ClippingAdamW.step, "hooked", False)
+    x = torch.randn(8, 8)
+    with hs.Monitor(model, every=1, on_nonfinite="skip") as mon:
+        model(x).pow(2).sum().backward()
+        opt.step()
+        mon.step()
+        opt.zero_grad()
+        model(x.masked_fill(x > 1.5, float("nan"))).pow(2).sum().backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        opt.step()
+        # skipped once, and the gradients it hid from the optimizer are given back
+        assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        assert all(p.grad is grads[n] for n, p in model.named_parameters())
+        mon.step()
+    skipped = [r for r in mon.records if r["type"] == "event" and r["kind"] == "skipped_step"]
+    assert [r["step"] for r in skipped] == [1]
+    assert mon.records[1]["param"]["0.weight"]["update_ratio"] > 0

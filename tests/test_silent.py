@@ -3,6 +3,7 @@ stays silent on the fixed twin. Each bug is first shown with plain torch (the or
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import fields
 from pathlib import Path
@@ -164,6 +165,27 @@ def test_an_unsampled_steps_update_is_judged_at_the_next_step_naming_its_own() -
     assert returned[0] == []
     assert returned[1] and {f.step for f in returned[1]} == {0}
     assert {f.step for f in found(mon, "not_updated")} == {0}
+
+
+def test_a_late_verdicts_bundle_is_named_by_the_step_it_holds(tmp_path: Path) -> None:
+    # The flight recorder writes what the model holds now: for a verdict read a step late,
+    # that is the next step (the bug repeats there), and the bundle says so.
+    torch.manual_seed(0)
+    model = bert().train()
+    opt = RebindingSGD(model.parameters(), lr=0.1)
+    kw = {"record_dir": tmp_path, "record_on": ("not_updated",)}
+    with hs.Monitor(model, every=None, **kw) as mon:
+        for _ in range(3):
+            opt.zero_grad()
+            model(token_ids(2, 8)).last_hidden_state[..., :4].sum().backward()
+            opt.step()
+            mon.step()
+    (bundle,) = tmp_path.iterdir()
+    assert bundle.name == "step000001-not_updated"
+    meta = json.loads((bundle / "bundle.json").read_text())
+    assert (meta["step"], meta["finding"]["step"]) == (1, 0)
+    (event,) = [r for r in mon.records if r["type"] == "event" and r["kind"] == "recorded"]
+    assert event["step"] == 1 and "of step 0, read a step late" in event["message"]
 
 
 class SGDThatBreaks(torch.optim.Optimizer):

@@ -380,6 +380,7 @@ class Monitor:
             self._model,
             self._tape.calls,
             self._optim.optimizers,
+            step=self.step_count,
             before_update=before_update,
         )
 

@@ -66,6 +66,9 @@ class OptimizerWatch:
         self._hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._read_early: set[int] = set()  # optimizers whose gradients were read already
         self._read_all = False  # every parameter's gradient was read already
+        # Optimizers whose step() is under way: a subclass's step() that calls super().step()
+        # runs torch's hooks twice (both methods are wrapped), for one update.
+        self._stepping: dict[int, int] = {}
         self.adopted: list[weakref.ref[torch.optim.Optimizer]] = []
         hooks.optimizer_step_pre_global(self._pre)
         hooks.optimizer_step_post_global(self._post)
@@ -102,6 +105,17 @@ class OptimizerWatch:
         names = self._names(opt)
         if not names:
             return None
+        depth = self._stepping.get(id(opt), 0)
+        if depth:  # the same update, one level down
+            self._stepping[id(opt)] = depth + 1
+            return None
+        changed = self._start(opt, names, args, kwargs)
+        self._stepping[id(opt)] = 1  # not before: a check that raises ends the step here
+        return changed
+
+    def _start(
+        self, opt: torch.optim.Optimizer, names: list[str], args: tuple, kwargs: dict
+    ) -> Any:
         # torch passes step()'s own arguments, ``self`` first: (self, closure=None).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None:
@@ -138,9 +152,10 @@ class OptimizerWatch:
 
     def reset(self) -> None:
         """A new step: gradients read early by the last one (whose update was skipped, say)
-        are stale."""
+        are stale, and so is a step() that raised before its post-hooks."""
         self._read_early.clear()
         self._read_all = False
+        self._stepping.clear()
 
     def _final_grads(self, opt: torch.optim.Optimizer, names: list[str]) -> None:
         if id(opt) in self._read_early:
@@ -154,6 +169,10 @@ class OptimizerWatch:
             self._hidden[id(opt)] = hidden
 
     def _post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        depth = self._stepping.pop(id(opt), 0)
+        if depth > 1:
+            self._stepping[id(opt)] = depth - 1
+            return
         names = self._names(opt)
         hidden = self._hidden.pop(id(opt), None)
         if hidden is not None:

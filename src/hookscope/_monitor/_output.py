@@ -107,8 +107,9 @@ class Output:
             if wanted and finding.kind not in self._recorded:
                 self._recorded.add(finding.kind)
                 path = self._bundle(finding, before_update)
+                late = "" if finding.step == step else f" of step {finding.step}, read a step late"
                 self.event(
-                    step, "recorded", f"replay bundle for the {finding.kind} finding: {path}"
+                    step, "recorded", f"replay bundle for the {finding.kind} finding{late}: {path}"
                 )
         return new
 

@@ -76,11 +76,14 @@ def write_bundle(
     calls: list[Call],
     optimizers: list[torch.optim.Optimizer],
     *,
+    step: int,
     before_update: bool,
 ) -> Path:
-    """Write one replay bundle for ``finding`` under ``directory``; return its path."""
+    """Write one replay bundle of step ``step`` for ``finding`` under ``directory``; return
+    its path. ``step`` is the step whose state is written: the finding's own, or a later one
+    for a finding read a step late (an unsampled step's ``not_updated``)."""
     st = _safetensors()
-    path = Path(directory) / f"step{finding.step:06d}-{finding.kind}"
+    path = Path(directory) / f"step{step:06d}-{finding.kind}"
     path.mkdir(parents=True, exist_ok=True)
     store: dict[str, torch.Tensor] = {}
 
@@ -124,6 +127,7 @@ def write_bundle(
         "time": time.time(),
         "model": type(model).__name__,
         "finding": asdict(finding),
+        "step": step,
         "state_before_update": before_update,
         "calls": call_specs,
         "optimizers": optim_specs,
