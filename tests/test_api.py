@@ -65,12 +65,18 @@ def test_import_hookscope_imports_no_optional_dependency() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, *, typing: bool = True) -> set[str]:
     """Modules of the package that ``path`` imports (relative imports), and top-level
-    third-party names it imports."""
+    third-party names it imports; ``typing=False``: not those only a type checker runs
+    (``if TYPE_CHECKING:``)."""
     package = path.parent
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    if not typing:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package
             for _ in range(node.level - 1):
@@ -78,9 +84,11 @@ def _imports(path: Path) -> set[str]:
             target = base.joinpath(*(node.module or "").split("."))
             names = [target] if node.module else [base / alias.name for alias in node.names]
             for t in names:
-                for candidate in (t.with_suffix(".py"), t / "__init__.py"):
-                    if candidate.is_file():
-                        found.add(str(candidate.relative_to(SRC)))
+                candidates = [t.with_suffix(".py"), t / "__init__.py", t.parent / "__init__.py"]
+                # ``from . import name``: the module ``name``, or a name of the package
+                where = next((c for c in candidates if c.is_file()), None)
+                if where is not None:
+                    found.add(str(where.relative_to(SRC)))
         elif isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -141,6 +149,51 @@ def test_only_the_integrations_import_a_training_framework() -> None:
             assert not _imports(path) & FRAMEWORKS, name
     assert {"lightning", "pytorch_lightning"} <= _imports(SRC / "integrations/lightning.py")
     assert "transformers" in _imports(SRC / "integrations/transformers.py")
+
+
+def _room(name: str) -> str:
+    """A file's folder below the package (``_monitor``, ``_diagnose``, ...), or the file."""
+    return name.split("/")[0]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph``, or ``[]``."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return []
+
+
+def test_imports_run_one_way() -> None:
+    """Files import downward only: no import cycle between files (lazy imports included;
+    ``TYPE_CHECKING`` ones are not run) nor between the package's folders, and nothing
+    inside imports the front door (``__init__.py``)."""
+    files = {str(p.relative_to(SRC)): p for p in SRC.rglob("*.py")}
+    graph = {
+        name: {m for m in _imports(path, typing=False) if m in files and m != name}
+        for name, path in files.items()
+    }
+    assert _cycle(graph) == []
+    rooms: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        rooms.setdefault(_room(name), set()).update(
+            _room(t) for t in targets if _room(t) != _room(name)
+        )
+    rooms.pop("__init__.py", None)  # the front door imports every room
+    assert _cycle(rooms) == []
+    assert not [name for name, targets in graph.items() if "__init__.py" in targets]
 
 
 def test_no_module_imports_another_modules_private_name() -> None:
