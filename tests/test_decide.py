@@ -66,6 +66,35 @@ def test_a_nan_no_replay_reproduces_makes_every_module_flagged_from_then_on() ->
     assert named == [(True, ""), (False, "fc")]
 
 
+def test_a_nan_made_at_weights_restored_before_the_update_is_not_blamed_on_the_loss() -> None:
+    # Sharpness-aware minimisation: the second pass runs at weights moved in place and put
+    # back before optimizer.step(), where the check replays the step: the replay's forward
+    # stays finite while the recorded gradient from the loss is NaN. That replay has not seen
+    # the step, and must not say "the gradient from the loss was NaN, the forward finite".
+    model = ResNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    named = []
+    with hs.Monitor(model, every=None, optimizer=opt, on_nonfinite="skip") as mon:
+        for _ in range(2):
+            model(images()).logsumexp(1).sum().backward()
+            saved = model.fc.weight.detach().clone()
+            with torch.no_grad():
+                model.fc.weight.mul_(math.inf)  # a perturbation that overflowed
+            opt.zero_grad()
+            model(images()).logsumexp(1).sum().backward()
+            with torch.no_grad():
+                model.fc.weight.copy_(saved)
+            light = mon._now.light
+            opt.step()  # skipped: the weights stay finite
+            found = [f for f in mon.step() if f.kind == "nonfinite"]
+            named.append((light, [(f.module, f.phase, f.op) for f in found]))
+    assert named[0] == (True, [("", "forward", None)])
+    assert "did not reproduce it" in mon.findings[0].message
+    assert "gradient reaching" not in mon.findings[0].message
+    # from then on every module is flagged, in the step itself: fc's own output went bad
+    assert named[1] == (False, [("fc", "forward", None)])
+
+
 def test_without_an_optimizer_every_module_is_checked() -> None:
     # A hand-written update runs before step(): a replay there would meet the new weights.
     model = ResNet()

@@ -32,6 +32,15 @@ from ._trace import Tape, replay, trace
 
 __all__ = ["NonFiniteDecision", "nonfinite_error"]
 
+NOT_REPLAYED = (
+    ". A replay of the step did not reproduce it, so no op is named: the weights or the "
+    "model's state changed between the step's forward pass and the check before the update "
+    "(e.g. weights perturbed in place and restored before optimizer.step(), as "
+    "sharpness-aware minimisation does, or an attribute the forward pass reads). Every "
+    "watched module's output is checked from the next step on, to name the module where it "
+    "starts"
+)
+
 
 class NonFiniteDecision:
     """Turns a step's non-finite flags into its one ``nonfinite`` finding.
@@ -177,14 +186,19 @@ class NonFiniteDecision:
                 origin = trace(self._model, self._tape.calls, suspect=finding.module)
         finally:
             self._tape.paused = False
-        if origin is not None:
+        # A replay whose forward pass stays finite where the step's did not has not seen
+        # this step: it cannot name the origin (below).
+        unseen = finding.phase == "forward" and origin is not None and origin.phase != "forward"
+        if origin is not None and not unseen:
             # where only the edges were flagged, their message says no more than the op's
             return origin.refine(finding, cheap_check=not state.light)
         if state.light:  # only the model's edges were flagged
             flagged = self._flagged_replay(finding.step)
-            if flagged is not None:
+            if flagged is not None and flagged.phase == finding.phase:
                 return flagged
             self.light = state.light = False  # no replay finds it: flag every module now on
+            if unseen or flagged is not None:
+                return dataclasses.replace(finding, message=finding.message + NOT_REPLAYED)
         return finding
 
     def _flagged_replay(self, step: int) -> Finding | None:
