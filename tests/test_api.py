@@ -194,6 +194,14 @@ def test_imports_run_one_way() -> None:
     rooms.pop("__init__.py", None)  # the front door imports every room
     assert _cycle(rooms) == []
     assert not [name for name, targets in graph.items() if "__init__.py" in targets]
+    absolute = [
+        name
+        for name, path in files.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "hookscope")
+        or (isinstance(node, ast.Import) and any(a.name == "hookscope" for a in node.names))
+    ]
+    assert absolute == []
 
 
 def test_no_module_imports_another_modules_private_name() -> None:

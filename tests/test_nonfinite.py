@@ -485,6 +485,48 @@ def test_a_finite_float16_model_whose_sums_pass_65504_is_not_a_nan() -> None:
     assert [f for f in mon.findings if f.kind == "nonfinite"] == []
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Nothing compiled before the test, nor left compiled after it (a later Monitor would
+    find the model compiled already)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("every", [None, 1])
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_finite_float32_model_whose_sums_overflow_is_not_a_nan(
+    phase: str, every: int | None, compiled: bool
+) -> None:
+    """Every value finite, the sum of the hidden layer's output (forward: ~6e34 each) or of
+    the gradient reaching it (backward: ~8e34 each) past float32's largest, 3.4e38: no
+    NaN/Inf is claimed, eager or compiled, with only the model's edges checked or every
+    module."""
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8))
+    with torch.no_grad():
+        model[0].weight.fill_(1e33 if phase == "forward" else 1e-30)
+        model[2].weight.fill_(1e-3 if phase == "forward" else 1e34)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.ones(32, 64)
+    call = torch.compile(model, backend="aot_eager") if compiled else model
+    with hs.Monitor(model, every=every, optimizer=opt) as mon:
+        out = call(x)
+        out.sum().backward()
+        with torch.no_grad():  # plain torch: the first Linear's output, and its gradient
+            hidden = model[0](x)
+        big = hidden if phase == "forward" else model[0].weight.grad
+        assert torch.isfinite(big).all() and torch.isinf(big.sum())
+        assert torch.isfinite(out).all()
+        opt.step()
+        mon.step()
+    assert [f for f in mon.findings if f.kind == "nonfinite"] == []
+
+
 @pytest.mark.parametrize("on_nonfinite", ["log", "raise"])
 def test_a_finite_gradient_whose_l2_norm_overflows_is_not_a_nan(on_nonfinite: str) -> None:
     """A gradient's flag is its L2 norm, whose float32 sum of squares overflows once an

@@ -21,7 +21,7 @@ __all__ = [
     "Sampler",
     "channel_dim",
     "dead_fraction",
-    "flag_sum",
+    "finite_flag",
     "histogram",
     "moments",
     "norms",
@@ -337,11 +337,27 @@ def histogram(t: torch.Tensor, bins: int) -> torch.Tensor:
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def flag_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum of ``t``, non-finite exactly when an element is: accumulated in float32 for
-    16-bit floats (a finite float16 tensor easily sums past 65504, its largest value)."""
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """0 when every element of ``t`` is finite, NaN when one is not (float32, one pass).
+
+    Exact where a sum is not: the sum of a large finite tensor overflows to Inf (float32
+    past 3.4e38 in all, float16 past 65504), which would be taken for one. The largest
+    magnitude never overflows and keeps a NaN; times 0 it is 0 or NaN, so flags add up
+    (several outputs, calls, ranks) without overflowing either. On the CPU it comes from
+    ``aminmax``, which reads as fast as a sum (torch's CPU infinity norm reads ~12x slower,
+    and a 16-bit sum accumulated in float32 ~20x).
+    """
     t = t.detach()
-    return t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if not t.is_floating_point() or t.numel() == 0:
+        return torch.zeros((), device=t.device)
+    if t.device.type == "cpu":
+        low, high = torch.aminmax(t)
+        peak = torch.maximum(high, -low)
+    else:
+        peak = torch.linalg.vector_norm(t, math.inf)
+    return (peak * 0).float()
 
 
 def norms(

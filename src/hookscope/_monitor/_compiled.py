@@ -31,7 +31,8 @@ one graph.
   (:func:`_grad_probe`), the same function as an opaque kernel. Each call of a
   module (up to :data:`SLOTS` per step) has its own row, so that largest magnitudes combine
   as a max; later calls share the last row.
-- **Non-finite values.** The sum of every output and gradient, per module, and the order in
+- **Non-finite values.** A flag of every output and gradient (0, or NaN where one of its
+  elements is not finite: ``finite_flag``), per module, and the order in
   which the modules first ran: the first module whose output is NaN/Inf in that order is
   named; the op and source line come from the eager replay of the step (the tape of the
   root's calls runs outside the graph).
@@ -68,7 +69,7 @@ from .._stats import (
     SAT_MARGIN,
     channel_dim,
     dead_fraction,
-    flag_sum,
+    finite_flag,
     plan_for,
     strided_index,
 )
@@ -136,7 +137,7 @@ class CompiledProbes:
             return None
         with torch.no_grad():
             acc = self.acc
-            values = {"flag": sum(flag_sum(t).float() for t in outs), "calls": 1.0}
+            values = {"flag": sum(finite_flag(t) for t in outs), "calls": 1.0}
             values["order"] = acc[-1, 0]
             slot = acc[index, _COL["calls"]].clamp(max=SLOTS - 1)
             if sampled and module.training:
@@ -323,9 +324,9 @@ _grad_probe.register_autograd(_probe_backward, setup_context=_probe_context)
 
 @torch.no_grad()
 def _grad_row(g: torch.Tensor, sampled: bool, k: int | None) -> torch.Tensor:
-    """The ``_GRAD`` columns for one gradient, ``(1, len(_GRAD))``: its sum (the non-finite
+    """The ``_GRAD`` columns for one gradient, ``(1, len(_GRAD))``: its flag (the non-finite
     check) and, on a sampled step, what :class:`OutputGrads` computes from the same sample."""
-    values: dict[str, Any] = {"flag": flag_sum(g).float(), "calls": 1.0}
+    values: dict[str, Any] = {"flag": finite_flag(g), "calls": 1.0}
     if sampled:
         x = _sample(g.detach(), k)
         if x.dtype not in (torch.float32, torch.float64):

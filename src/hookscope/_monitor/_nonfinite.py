@@ -1,7 +1,8 @@
 """The non-finite trail: one flag per module output and per gradient, on every step.
 
-A flag is the sum of a tensor's every element: NaN or Inf anywhere makes it non-finite, for
-the price of one reduction. The trail remembers which flags fed which module, so that the
+A flag is 0 when every element of a tensor is finite and NaN when one is not, for the price
+of one reduction (``finite_flag``: a largest magnitude, which no large finite tensor
+overflows, as its sum would). The trail remembers which flags fed which module, so that the
 first module whose output turned non-finite *from finite inputs* can be named.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .._diagnose import Finding
-from .._stats import flag_sum, norms
+from .._stats import finite_flag, norms
 from ._buffer import Host, StepBuffer
 from ._dist import local
 
@@ -108,7 +109,7 @@ class NonFiniteTrail:
                     passed[id(t)] = t._version
                     continue
                 index = self._add(
-                    buf, Flag("input", name), _nan_flag(t) if nan_inputs else flag_sum(t)
+                    buf, Flag("input", name), _nan_flag(t) if nan_inputs else finite_flag(t)
                 )
                 known = self._made_by[id(t)] = (index, t._version, weakref.ref(t))
             if known is not None:
@@ -123,8 +124,8 @@ class NonFiniteTrail:
         if check:
             total = buf.value(("flag", fed[0])) if pass_through and len(fed) == 1 else None
             if total is None:
-                sums = [flag_sum(t) for t in new]
-                total = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+                flags = [finite_flag(t) for t in new]
+                total = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
             index = self._add(buf, Flag("forward", name, tuple(fed)), total)
         else:
             index = self._add(buf, Flag("forward", name, tuple(fed), checked=False), None)
@@ -141,7 +142,7 @@ class NonFiniteTrail:
     def backward(
         self, buf: StepBuffer, name: str, grad: torch.Tensor, *, edge: bool = False
     ) -> None:
-        self._add(buf, Flag("backward", name, edge=edge), flag_sum(grad))
+        self._add(buf, Flag("backward", name, edge=edge), finite_flag(grad))
 
     def parameters(self, buf: StepBuffer, params: dict, names: list[str]) -> dict:
         """Flag the gradients an optimizer is about to apply, by their L2 norms (one fused
@@ -190,8 +191,8 @@ class NonFiniteTrail:
                     step,
                     value(i),
                     "forward",
-                    f"forward: the output of {_who(flag.module)} holds NaN/Inf (sum={value(i)}) "
-                    f"while its inputs were finite, at step {step}; later modules inherit it",
+                    f"forward: the output of {_who(flag.module)} holds NaN/Inf while its "
+                    f"inputs were finite, at step {step}; later modules inherit it",
                 )
         first_bad = next((i for i in forward if bad[i]), None)
         if first_bad is not None:
