@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -13,6 +15,7 @@ from hookscope._stats import (
     Rows,
     Sampler,
     dead_fraction,
+    finite_flag,
     moments,
     row_extremes,
     row_moments,
@@ -141,3 +144,25 @@ def test_a_single_nan_anywhere_in_a_large_tensor_is_still_found() -> None:
         model(torch.randn(512, 16))
         mon.step()
     assert [(f.kind, f.module, f.phase) for f in mon.findings] == [("nonfinite", "1", "forward")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_finite_flag_is_0_or_nan_and_never_overflows(dtype: torch.dtype) -> None:
+    largest = torch.finfo(dtype).max
+    x = torch.full((64, 513), largest, dtype=dtype)
+    x[::2] = -largest  # every value finite, the range from min to max twice the largest
+    assert finite_flag(x).item() == 0 and finite_flag(x).dtype == torch.float32
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[63, 512] = bad  # the last element
+        assert math.isnan(finite_flag(y).item())
+    assert finite_flag(torch.ones(0, dtype=dtype)).item() == 0
+
+
+def test_the_finite_flag_of_other_tensors() -> None:
+    assert finite_flag(torch.arange(10)).item() == 0  # integers are finite
+    z = torch.ones(4, dtype=torch.complex64)
+    assert finite_flag(z).item() == 0
+    z[2] = complex(0, math.inf)
+    assert math.isnan(finite_flag(z).item())
+    assert math.isnan(finite_flag(torch.tensor(math.nan)).item())  # a 0-d tensor
