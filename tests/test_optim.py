@@ -291,3 +291,78 @@ def test_a_subclass_step_calling_super_is_one_update() -> None:
     skipped = [r for r in mon.records if r["type"] == "event" and r["kind"] == "skipped_step"]
     assert [r["step"] for r in skipped] == [1]
     assert mon.records[1]["param"]["0.weight"]["update_ratio"] > 0
+
+
+class ClosureSAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation, the closure form: ``step(closure)`` moves the weights
+    by the gradients of a backward pass run *before* it, re-evaluates the closure there, puts
+    the weights back and steps a base SGD with the new gradients."""
+
+    def __init__(self, params, rho: float = 0.05, lr: float = 0.1) -> None:
+        super().__init__(params, {"rho": rho, "lr": lr})
+        self.base = torch.optim.SGD(self.param_groups, lr=lr)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        scale = self.param_groups[0]["rho"] / (
+            torch.stack([g.norm() for g in grads]).norm() + 1e-12
+        )
+        moved = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    moved.append((p, p.detach().clone()))
+                    p.add_(p.grad * scale)
+        self.zero_grad()
+        with torch.enable_grad():
+            closure()
+        for p, old in moved:
+            p.copy_(old)
+        self.base.step()
+
+
+class Poisonable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.poisoned = mlp(), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net(x)
+        return torch.log(h - 100.0) if self.poisoned else h  # NaN from finite values
+
+
+def sam_steps(model, opt, mon, poisoned_at=None, steps=3):
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+
+    def closure():
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(steps):
+        model.poisoned = mon.step_count == poisoned_at
+        nn.functional.mse_loss(model(x), y).backward()  # the first pass, before step()
+        opt.step(closure)
+        opt.zero_grad()
+        mon.step()
+
+
+def test_a_closure_optimizer_that_moves_the_weights_is_checked_before_it_does() -> None:
+    torch.manual_seed(0)
+    model = Poisonable()
+    opt = ClosureSAM(model.parameters())
+    with hs.Monitor(model, every=1) as mon:
+        sam_steps(model, opt, mon)
+    assert mon.findings == []
+    ratios = [
+        r["param"]["net.0.weight"]["update_ratio"] for r in mon.records if r["type"] == "step"
+    ]
+    assert len(ratios) == 3 and all(r > 0 for r in ratios)
+    with hs.Monitor(model, every=10, on_nonfinite="raise") as mon:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(hs.NonFiniteError) as info:
+            sam_steps(model, opt, mon, poisoned_at=0)
+        # raised before step() moved any weight, naming the op of the first pass
+        assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+        assert (info.value.step, info.value.phase, info.value.op) == (0, "forward", "aten.log")

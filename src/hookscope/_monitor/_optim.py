@@ -43,7 +43,10 @@ class OptimizerWatch:
 
     - ``grads(opt, names)`` once this step's gradients are final: just before the update, or,
       for a closure optimizer (LBFGS; Lightning runs forward and backward inside
-      ``optimizer.step(closure)``), after the closure's first evaluation;
+      ``optimizer.step(closure)``), after the closure's first evaluation; and, when
+      ``ready()`` says a backward pass of this step ran before ``step(closure)`` was called
+      (sharpness-aware minimisation moves the weights by those gradients before its closure
+      runs), also before ``step()`` does anything;
     - ``check(opt, names) -> bool`` right after it: ``True`` skips this update (the
       gradients are hidden from the optimizer, which then leaves those parameters and their
       state alone, and are given back after);
@@ -59,9 +62,10 @@ class OptimizerWatch:
         check: Callable[[torch.optim.Optimizer, list[str]], bool],
         before: Callable[[torch.optim.Optimizer, list[str]], None],
         after: Callable[[torch.optim.Optimizer, list[str]], None],
+        ready: Callable[[], bool] = lambda: False,
     ) -> None:
         self._owned, self._grads, self._check = owned, grads, check
-        self._before, self._after = before, after
+        self._before, self._after, self._ready = before, after, ready
         self._cache: dict[int, tuple[weakref.ref, int, list[str]]] = {}
         self._hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._read_early: set[int] = set()  # optimizers whose gradients were read already
@@ -118,11 +122,11 @@ class OptimizerWatch:
     ) -> Any:
         # torch passes step()'s own arguments, ``self`` first: (self, closure=None).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
+        if closure is None or self._ready():
             self._final_grads(opt, names)
-            self._before(opt, names)
-            return None
         self._before(opt, names)
+        if closure is None:
+            return None
         first = True
 
         def closure_then_read() -> Any:
@@ -162,7 +166,7 @@ class OptimizerWatch:
             self._read_early.discard(id(opt))
         elif not self._read_all:
             self._grads(opt, names)
-        if self._check(opt, names):
+        if self._check(opt, names) and id(opt) not in self._hidden:  # hidden once a step
             hidden = [(p, p.grad) for group in opt.param_groups for p in group["params"]]
             for p, _ in hidden:
                 p.grad = None

@@ -187,14 +187,16 @@ class SpikeWatch:
         self.rule = Rolling(thresholds.spike_k, thresholds.spike_rel, thresholds.spike_min_history)
         self._rows: deque[_Row] = deque(maxlen=self.n + self.lead_max + 1)
         self._losses: deque[float] = deque(maxlen=self.n)
-        self._flags: list[tuple[int, str]] = []  # (flag index, group) of this step
+        # this step's parameter -> (flag index, group): a gradient read again (a closure
+        # optimizer, after its closure) replaces the earlier reading
+        self._flags: dict[str, tuple[int, str]] = {}
         self._spiking = False
 
     def flags(self, start: int, stop: int, params: Sequence[str | None]) -> None:
         """The non-finite flags ``start:stop`` hold the L2 gradient norms of ``params``."""
         for index, param in zip(range(start, stop), params, strict=True):
             if param in self.group:
-                self._flags.append((index, self.group[param]))
+                self._flags[param] = (index, self.group[param])
 
     def weights(self, buf: StepBuffer) -> None:
         """Before an update: measure the weights the step's forward used."""
@@ -203,12 +205,12 @@ class SpikeWatch:
     def observe(self, step: int, scalars: dict[str, float], host: Host) -> Spike | None:
         """Add one step to the window; the spike that starts at it, if any."""
         squares: dict[str, float] = {}
-        for index, group in self._flags:
+        for index, group in self._flags.values():
             value = host.get(("flag", index))
             if value is not None:
                 squares[group] = squares.get(group, 0.0) + value[0] ** 2
         grads = {group: math.sqrt(square) for group, square in squares.items()}
-        self._flags = []
+        self._flags = {}
         loss = scalars.get("loss")
         score = None if loss is None else self.rule.score(self._losses, loss)
         self._rows.append(_Row(step, dict(scalars), grads, self._weights.read(host)))
