@@ -1,10 +1,12 @@
 """The flight recorder: a failing step written to disk, and replayed later, op by op.
 
 A bundle is a directory holding ``tensors.safetensors`` (the model's state, the inputs of the
-step's outermost calls into the model, RNG states, the gradients that reached the model's outputs, the recorded outputs and
-the optimizer's tensors) and ``bundle.json`` (the finding, the module each call called, by qualified name, the
-structure of the inputs and the optimizer's other state). Nothing in it needs the user's code to unpickle: the model is built
-by the user, the same way, and the bundle's state is loaded into it.
+step's outermost calls into the model, RNG states, the gradients that reached the model's
+outputs, the recorded outputs and the optimizer's tensors) and ``bundle.json`` (the finding,
+the step whose state it holds, the module each call called, by qualified name, the structure
+of the inputs and the optimizer's other state). Nothing in it needs the user's code to
+unpickle: the model is built by the user, the same way, and the bundle's state is loaded into
+it.
 
 It sits next to its tracer (``_trace.py``) and below the Monitor, which writes a bundle
 through :func:`write_bundle`; ``hs.replay`` and the ``hookscope replay`` command read one.
