@@ -162,7 +162,7 @@ class NonFiniteTrail:
         param = self._params.get(flag.param) if flag.phase == "param" else None
         if param is None or param.grad is None or value != math.inf:
             return False
-        return bool(torch.isfinite(local(param.grad)).all())
+        return finite_flag(local(param.grad)).item() == 0
 
     def _add(self, buf: StepBuffer, flag: Flag, value: torch.Tensor | None) -> int:
         self.flags.append(flag)
