@@ -122,7 +122,7 @@ def test_registering_many_live_tensor_hooks_costs_linear_work(
 ) -> None:
     """20,000 gradient hooks alive at once (an LSTMCell unrolled over thousands of steps):
     the registry checks each handle a bounded number of times, not once per registration."""
-    from hookscope import _hooks
+    from hookscope._hooks import _set as _hooks
 
     checks = [0]
     alive = _hooks._alive
@@ -148,7 +148,7 @@ def test_registering_many_live_tensor_hooks_costs_linear_work(
 
 
 def test_dead_tensor_hooks_are_dropped_at_the_next_prune(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hookscope import _hooks
+    from hookscope._hooks import _set as _hooks
 
     monkeypatch.setattr(_hooks, "_PRUNE_AT", 8)
     with _hooks.HookSet("test") as hooks:

@@ -16,8 +16,14 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope._hooks import HookSet, in_backward_recompute
-from hookscope._sites import CallClock, alias_grad_inputs, forward_failed, same_layout_copy
+from hookscope._hooks import (
+    CallClock,
+    HookSet,
+    alias_grad_inputs,
+    forward_failed,
+    in_backward_recompute,
+    same_layout_copy,
+)
 from models import Twice, gpt2, images, resnet_pair, token_ids
 
 

@@ -48,7 +48,7 @@ _WHERE = {
     "MemorySink": "._sinks",
     "Sink": "._sinks",
     "TensorBoardSink": "._sinks",
-    "Site": "._sites",
+    "Site": "._hooks",
     "summary": "._summary",
     "Tap": "._tap",
 }
@@ -72,6 +72,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._errors import NonFiniteError as NonFiniteError
     from ._errors import SelectionError as SelectionError
     from ._extract import extract as extract
+    from ._hooks import Site as Site
     from ._intervene import Intervention as Intervention
     from ._intervene import intervene as intervene
     from ._log import read_log as read_log
@@ -85,7 +86,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._sinks import MemorySink as MemorySink
     from ._sinks import Sink as Sink
     from ._sinks import TensorBoardSink as TensorBoardSink
-    from ._sites import Site as Site
     from ._summary import summary as summary
     from ._tap import Tap as Tap
 

@@ -19,17 +19,19 @@ from ._errors import (
     name_list,
     never_ran_message,
 )
-from ._hooks import HookSet, eager_model, in_backward_recompute
-from ._record import Keeper, Record
-from ._select import Where, select
-from ._sites import (
+from ._hooks import (
     POINTS,
     CallClock,
+    HookSet,
     alias_grad_inputs,
     alias_grad_outputs,
+    eager_model,
     forward_failed,
+    in_backward_recompute,
     no_grad_in_model_message,
 )
+from ._record import Keeper, Record
+from ._select import Where, select
 from ._tree import tensors
 
 __all__ = ["Capture", "capture"]

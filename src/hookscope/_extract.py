@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from ._errors import HookscopeError, StopForward, never_ran_message
-from ._hooks import HookSet, eager_calls, training_mode, uncompiled
+from ._hooks import HookSet, eager_calls, forward_failed, training_mode, uncompiled
 from ._record import Keeper
 from ._select import Where, select
-from ._sites import forward_failed
 
 __all__ = ["extract"]
 

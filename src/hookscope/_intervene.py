@@ -11,17 +11,19 @@ import torch
 from torch import nn
 
 from ._errors import InterventionError, NoGradWarning
-from ._hooks import HookSet, eager_model, in_backward_recompute
-from ._select import Where, select
-from ._sites import (
+from ._hooks import (
     POINTS,
     CallClock,
+    HookSet,
     Site,
     alias_grad_inputs,
     alias_grad_outputs,
+    eager_model,
     forward_failed,
+    in_backward_recompute,
     no_grad_in_model_message,
 )
+from ._select import Where, select
 from ._tree import describe, same_structure
 
 __all__ = ["Intervention", "intervene"]

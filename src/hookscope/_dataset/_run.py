@@ -30,9 +30,8 @@ from .._errors import (
     never_ran_message,
 )
 from .._format import progress_bar
-from .._hooks import HookSet, check_not_compiled, training_mode
+from .._hooks import HookSet, check_not_compiled, forward_failed, training_mode
 from .._select import Where, select
-from .._sites import forward_failed
 from .._tree import describe, tensors
 from ._batch import device_of, inputs, to_host
 from ._format import (

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._hooks import HookSet, in_backward_recompute
-from ._tree import map_tensors, tensors
+from .._tree import map_tensors, tensors
+from ._compile import in_backward_recompute
+from ._set import HookSet
 
 __all__ = [
     "CallClock",
