@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import force_eager, is_compiling, skip_frame
 from .._errors import CompiledModelError, HookscopeWarning
 
 __all__ = [
@@ -37,7 +38,7 @@ def in_backward_recompute() -> bool:
     reading it there would break the graph at every hook (and a checkpoint inside a
     compiled graph is recomputed by the graph itself, where no hook runs).
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
 
@@ -55,7 +56,7 @@ def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     disabled: list[Callable[..., Any]] = []
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return None
         if "torch._dynamo" not in sys.modules:  # nothing can be compiling
             return fn(*args, **kwargs)
@@ -63,21 +64,8 @@ def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
             disabled.append(torch.compiler.disable(fn))
         return disabled[0](*args, **kwargs)
 
-    _skip_frame(hook.__code__)
+    skip_frame(hook.__code__)
     return hook
-
-
-def _skip_frame(code: Any) -> None:
-    """Have Dynamo run frames of ``code`` eagerly (and look at the frames they call) rather
-    than compile them: ``torch._dynamo.eval_frame.skip_code``, without importing Dynamo."""
-    try:
-        from torch._C._dynamo import eval_frame
-    except ImportError:  # a build without Dynamo: nothing is compiled
-        return
-    action = eval_frame._FrameAction
-    eval_frame.set_code_exec_strategy(
-        code, eval_frame._FrameExecStrategy(action.SKIP, action.DEFAULT)
-    )
 
 
 def check_not_compiled(model: nn.Module, verb: str) -> None:
@@ -169,9 +157,7 @@ def live_objects(*kinds: type) -> list[Any]:
 def eager_calls() -> contextlib.AbstractContextManager[None]:
     """For a pass hookscope runs itself: every compiled function runs eagerly, with the
     hooks and without compiling anything (``torch.compiler.set_stance("force_eager")``)."""
-    if "torch._dynamo" not in sys.modules:  # nothing was ever compiled
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("force_eager")
+    return force_eager()
 
 
 def _compiled_codes(model: nn.Module) -> dict[str, list[Any]]:

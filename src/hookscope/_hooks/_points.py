@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import is_compiling
 from .._tree import map_tensors, tensors
 from ._compile import in_backward_recompute
 from ._set import HookSet
@@ -105,7 +106,7 @@ class CallClock:
         call = self._calls[name]
         self._calls[name] = call + 1
         # A peek that numbers no node. Dynamo, tracing this hook, cannot read it: -1 matches none.
-        compiling = torch.compiler.is_compiling()
+        compiling = is_compiling()
         seq = -1 if compiling else torch._C._autograd._get_sequence_nr()
         first = None if compiling else next((a for a in args if isinstance(a, torch.Tensor)), None)
         ref = None if first is None else weakref.ref(first)
@@ -205,7 +206,7 @@ def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
         (t.storage_offset() == 0 and t.is_contiguous())
         or t.numel() == 0
         or not _plain(t)
-        or torch.compiler.is_compiling()
+        or is_compiling()
     ):
         return t.clone()
     return _SameLayoutCopy.apply(t)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import require
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds
 from .._hooks import eager_model
 from .._log import StepRecord
@@ -187,6 +188,7 @@ class Monitor:
         skip_list: str | Path | None = None,
         **threshold_overrides: float,
     ) -> None:
+        require("hs.Monitor")  # torch>=2.7, with a message that says so
         check_options(every, on_nonfinite, log_dir)
         self.thresholds = thresholds_from(thresholds, threshold_overrides, monitor_options)
         # DDP, torch.compile: name modules as the model they wrap (no "module.", "_orig_mod.");

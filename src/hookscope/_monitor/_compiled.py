@@ -63,6 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import custom_op
 from .._stats import (
     MIN_POSITIONS,
     MOMENTS,
@@ -293,7 +294,7 @@ def _functions_trace() -> bool:
 _functions_trace._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-@torch.library.custom_op("hookscope::grad_probe", mutates_args=())
+@custom_op("hookscope::grad_probe", mutates_args=())
 def _grad_probe(
     x: torch.Tensor, probe: torch.Tensor, row: torch.Tensor, sampled: bool, k: int | None
 ) -> torch.Tensor:
@@ -384,8 +385,10 @@ def _sample_stats(x: torch.Tensor, bounds: tuple[float, float] | None) -> dict[s
     sat = (x <= bounds[0] + SAT_MARGIN) | (x >= bounds[1] - SAT_MARGIN) if bounds else None
     terms = [x, square, square * x, square * square, x == 0, sat, x.isnan(), x.isinf()]
     found: dict[str, Any] = {
-        f"m_{m}": t.sum(dtype=x.dtype).float()
-        for m, t in zip(MOMENTS, terms, strict=False)
+        f"m_{MOMENTS[i]}": t.sum(dtype=x.dtype).float()
+        # by index, not zip(MOMENTS, terms, strict=False) (terms has no "n"): Dynamo 2.7-2.9
+        # reads that strict=False as strict=True and fails the trace
+        for i, t in enumerate(terms)
         if t is not None
     }
     found["m_n"] = float(x.numel())
