@@ -205,15 +205,27 @@ class FailingAttention(nn.Module):
         raise RuntimeError("boom")
 
 
-def test_torch_own_functions_are_back_after_each_forward_even_one_that_raised() -> None:
-    originals = (F.scaled_dot_product_attention, torch.softmax, torch.Tensor.softmax)
+def test_torch_own_functions_are_back_when_the_monitor_closes_even_after_a_forward_raised() -> None:
+    """The measuring wrappers are installed once while a Monitor with attention modules is
+    open (not swapped at every forward), measure only inside its attention modules, and
+    are torch's own objects again when it closes; a forward that raised leaves nothing
+    running (a later call outside the model is not measured)."""
+    originals = (F.scaled_dot_product_attention, torch.softmax)
     model = _gpt2("sdpa")
     with hs.Monitor(model, every=1) as mon:
         model(token_ids()).logits.sum().backward()
-        assert (F.scaled_dot_product_attention, torch.softmax, torch.Tensor.softmax) == originals
+        assert F.scaled_dot_product_attention is not originals[0]
         mon.step(loss=1.0)
+    assert (F.scaled_dot_product_attention, torch.softmax) == originals
+    assert F.scaled_dot_product_attention is originals[0] and torch.softmax is originals[1]
     assert "softmax" not in vars(torch.Tensor)  # inherited from torch._C.TensorBase, as before
     failing = nn.Sequential(FailingAttention())
-    with hs.Monitor(failing, every=1), pytest.raises(RuntimeError, match="boom"):
-        failing(torch.randn(2, 3, 4, requires_grad=True))
-    assert (F.scaled_dot_product_attention, torch.softmax, torch.Tensor.softmax) == originals
+    with hs.Monitor(failing, every=1) as mon:
+        with pytest.raises(RuntimeError, match="boom"):
+            failing(torch.randn(2, 3, 4, requires_grad=True))
+        (torch.randn(1, 1, 2, 2) * 1e6).softmax(-1)  # outside the model: measured by nobody
+        mon.step(loss=1.0)
+    logits = [r["attn"]["0"]["logit_max"] for r in mon.records if r.get("attn", {}).get("0")]
+    assert logits and max(logits) < 1e5  # the softmax inside the model only
+    assert F.scaled_dot_product_attention is originals[0] and torch.softmax is originals[1]
+    assert "softmax" not in vars(torch.Tensor)

@@ -106,23 +106,30 @@ class Intervention:
         self._rerun: set[str] = set()
         self._hooks = HookSet("intervene")
         try:
-            self._clock = CallClock(self._hooks, model)
             modules = dict(model.named_modules())
             for name, fns in plan.items():
                 self._attach(name, modules[name], fns)
+            # Last, and prepended: the pass starts before any edit of the root runs
+            self._clock = CallClock(self._hooks, model)
         except BaseException:
             self._hooks.remove()
             raise
 
     def _attach(self, name: str, module: nn.Module, fns: list[EditFn]) -> None:
+        """Edits go before the hooks already there (``prepend``): every reader (capture,
+        a Monitor, a Tap's watchers) sees the edited value, whatever the order in which
+        they were attached. (A ``grad_input`` edit is the exception: its copy of the input
+        must be the innermost one, so it goes last.)"""
+        hooks = self._hooks
         if self.at == "output":
-            self._hooks.forward(module, functools.partial(self._edit_output, name, fns))
+            hooks.forward(module, functools.partial(self._edit_output, name, fns), prepend=True)
         elif self.at == "input":
-            self._hooks.forward_pre(module, functools.partial(self._edit_input, name, fns))
+            hooks.forward_pre(module, functools.partial(self._edit_input, name, fns), prepend=True)
         elif self.at == "grad_output":
-            self._hooks.forward(module, functools.partial(self._hook_grad_output, name, fns))
+            edit = functools.partial(self._hook_grad_output, name, fns)
+            hooks.forward(module, edit, prepend=True)
         else:
-            self._hooks.forward_pre(module, functools.partial(self._hook_grad_input, name, fns))
+            hooks.forward_pre(module, functools.partial(self._hook_grad_input, name, fns))
 
     def _site(self, name: str, module: nn.Module, args: tuple) -> Site:
         if in_backward_recompute():  # a checkpoint re-run: the same edit as the first pass

@@ -14,9 +14,9 @@ from __future__ import annotations
 from torch import nn
 from torch.optim import optimizer as _optimizer
 
-from ._hooks import live_handle_sets, live_handles
+from ._hooks import live_handle_sets, live_handles, patched
 
-__all__ = ["assert_no_hooks", "hooks_on"]
+__all__ = ["assert_no_hooks", "assert_torch_untouched", "hooks_on"]
 
 _MODULE_HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -106,3 +106,17 @@ def assert_no_hooks(model: nn.Module, *, only_hookscope: bool = False) -> None:
     if found:
         whose = "hookscope hooks" if only_hookscope else "hooks"
         raise AssertionError(f"{len(found)} {whose} left on the model:\n  " + "\n  ".join(found))
+
+
+def assert_torch_untouched() -> None:
+    """Fail if hookscope still holds anything of torch's replaced (a function, a method,
+    ``nn.Module.__getstate__``): after every Monitor, capture and intervention is closed,
+    each is torch's own object again.
+
+    Raises:
+        AssertionError: Naming each attribute still replaced and how many users hold it.
+    """
+    held = patched()
+    if held:
+        names = [f"{getattr(o, '__name__', type(o).__name__)}.{n} ({u} users)" for o, n, u in held]
+        raise AssertionError("hookscope still replaces:\n  " + "\n  ".join(names))

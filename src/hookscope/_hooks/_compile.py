@@ -177,8 +177,10 @@ def _compiled_codes(model: nn.Module) -> dict[str, list[Any]]:
         codes = [code for code in _forward_codes(kind) if entries(code)]
         if codes:
             found[kind.__name__] = codes
+    # torch's own containers share one wrapper's code: only when this model has a wrapper
     if _wrapped_inline(model) and entries(inline := _wrap_inline_code()):
-        found.setdefault(type(model).__name__, []).append(inline)
+        if compiled_wrappers(model):
+            found.setdefault(type(model).__name__, []).append(inline)
     return found
 
 

@@ -2,12 +2,15 @@
 
 Attention logits that grow step after step (no QK normalisation, a high learning rate) are a
 known precursor of divergence in transformers; the logits themselves are never a module's
-output, so the usual hooks do not see them. Here a forward pre-hook on each attention module
-puts measuring wrappers in place of ``F.scaled_dot_product_attention``, ``torch.softmax``
-and ``Tensor.softmax`` for the duration of its forward (:class:`_Wrapped`; the forward hook
-puts torch's own back, also when the forward raises), and they see the two calls that
-attention implementations make. (A ``TorchFunctionMode`` sees them too, but every op and
-attribute of the forward then passes through Python: 4 % of a GPT-2 step at every=1.)
+output, so the usual hooks do not see them. While a Monitor with attention modules is open,
+``F.scaled_dot_product_attention``, ``torch.softmax`` and ``Tensor.softmax`` are measuring
+wrappers (installed once through ``_hooks.use``, shared by every Monitor, put back when the
+last one closes), and they see the two calls that attention implementations make. A
+wrapper measures only while an attention module of a Monitor runs a sampled forward *in
+its own thread* (a thread-local stack that the modules' pre- and forward hooks push and
+pop); any other call, and every call inside a compiled graph, goes straight to torch's
+function. (A ``TorchFunctionMode`` sees them too, but every op and attribute of the forward
+then passes through Python: 4 % of a GPT-2 step at every=1.)
 
 - eager attention: ``softmax`` of a 4-D ``(batch, heads, queries, keys)`` tensor, whose
   largest finite entry is the logit (masked entries are very negative or ``-inf``: a finite
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -73,12 +77,16 @@ class Attention:
         found = attention_modules(model)
         self.modules = list(found)
         self.sample, self._active, self._buffer = sample, active, buffer
-        self._running: list[str] = []  # the attention modules in their forward, outermost first
-        self._wrapped: _Wrapped | None = None
+        wrapped = False
         for name, module in found.items():
             if isinstance(module, nn.MultiheadAttention):
                 hooks.forward_pre(module, lambda m, a, k, name=name: self._multihead(name, m, a, k))
                 continue
+            if not wrapped:
+                hooks.patch(F, "scaled_dot_product_attention", _measuring_sdpa)
+                hooks.patch(torch, "softmax", _measuring_softmax)
+                hooks.patch(torch.Tensor, "softmax", _measuring_softmax)
+                wrapped = True
             hooks.forward_pre(module, lambda m, a, k, name=name: self._enter(name, m))
             hooks.forward(module, lambda m, a, k, o, name=name: self._exit(name), always_call=True)
 
@@ -89,23 +97,21 @@ class Attention:
             self._buffer().add(("attn", name), logit.float(), "max")
 
     def _enter(self, name: str, module: nn.Module) -> None:
-        if not self._running and not self._active(module):
+        running = _running()
+        if not any(probe is self for probe, _ in running) and not self._active(module):
             return
-        self._running.append(name)
-        if self._wrapped is None:
-            self._wrapped = _Wrapped(self)
+        running.append((self, name))
 
     def _exit(self, name: str) -> None:
-        if not self._running or self._running[-1] != name:
-            return  # its pre-hook measured nothing
-        self._running.pop()
-        if not self._running and self._wrapped is not None:
-            wrapped, self._wrapped = self._wrapped, None
-            wrapped.restore()
+        running = _running()
+        for i in range(len(running) - 1, -1, -1):
+            if running[i][0] is self:
+                if running[i][1] == name:
+                    del running[i]
+                return  # else its pre-hook measured nothing
 
-    def _add(self, logit: torch.Tensor) -> None:
-        if self._running:
-            self._buffer().add(("attn", self._running[-1]), logit.float(), "max")
+    def add(self, name: str, logit: torch.Tensor) -> None:
+        self._buffer().add(("attn", name), logit.float(), "max")
 
     def layout(self) -> list[Entry]:
         """Keys and combining rules, for a collective across ranks."""
@@ -118,50 +124,60 @@ class Attention:
                 record.attn[name] = {"logit_max": value[0]}
 
 
-class _Wrapped:
-    """Measuring wrappers in place of torch's SDPA and softmax functions while an attention
-    module runs; :meth:`restore` puts torch's own back. The measuring ops call neither."""
-
-    def __init__(self, probe: Attention) -> None:
-        self.saved: list[tuple[Any, str, Any, bool]] = []
-        sdpa, softmax = F.scaled_dot_product_attention, torch.softmax
-        tensor_softmax = torch.Tensor.softmax
-
-        def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
-            if len(args) >= 2:
-                with torch.no_grad():
-                    probe._add(_sdpa_logit_max(*args[:2], probe.sample, args[3:], kwargs))
-            return sdpa(*args, **kwargs)
-
-        def torch_softmax(x: Any, *args: Any, **kwargs: Any) -> Any:
-            _scores(probe, x)
-            return softmax(x, *args, **kwargs)
-
-        def method_softmax(x: Any, *args: Any, **kwargs: Any) -> Any:
-            _scores(probe, x)  # F.softmax calls it too
-            return tensor_softmax(x, *args, **kwargs)
-
-        self._put(F, "scaled_dot_product_attention", scaled_dot_product_attention)
-        self._put(torch, "softmax", torch_softmax)
-        self._put(torch.Tensor, "softmax", method_softmax)
-
-    def _put(self, owner: Any, name: str, fn: Any) -> None:
-        self.saved.append((owner, name, getattr(owner, name), name in vars(owner)))
-        setattr(owner, name, fn)
-
-    def restore(self) -> None:
-        for owner, name, original, own in reversed(self.saved):
-            if own:
-                setattr(owner, name, original)
-            else:  # inherited (Tensor.softmax comes from torch._C.TensorBase)
-                delattr(owner, name)
-        self.saved = []
+# The attention modules running a measured forward in this thread, outermost first, with
+# the probe (one per Monitor) that measures them.
+_THREAD = threading.local()
 
 
-def _scores(probe: Attention, x: Any) -> None:
-    if _is_scores(x):
-        with torch.no_grad():
-            probe._add(_finite_max(x.detach()))
+def _running() -> list[tuple[Attention, str]]:
+    running = getattr(_THREAD, "running", None)
+    if running is None:
+        running = _THREAD.running = []
+    return running
+
+
+def _credit(logit: Callable[[], torch.Tensor]) -> None:
+    """Give the logit to the innermost running module of each probe measuring now."""
+    running = getattr(_THREAD, "running", None)
+    if not running:
+        return
+    with torch.no_grad():
+        value, done = logit(), []
+    for probe, name in reversed(running):
+        if not any(p is probe for p in done):
+            done.append(probe)
+            probe.add(name, value)
+
+
+def _measuring_sdpa(sdpa: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(sdpa)
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+        if (
+            not torch.compiler.is_compiling()
+            and len(args) >= 2
+            and getattr(_THREAD, "running", None)
+        ):
+            sample = _running()[-1][0].sample
+            _credit(lambda: _sdpa_logit_max(*args[:2], sample, args[3:], kwargs))
+        return sdpa(*args, **kwargs)
+
+    return scaled_dot_product_attention
+
+
+def _measuring_softmax(softmax: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.softmax`` or ``Tensor.softmax`` (which ``F.softmax`` calls), measured."""
+
+    @functools.wraps(softmax)
+    def measured(x: Any, *args: Any, **kwargs: Any) -> Any:
+        if (
+            not torch.compiler.is_compiling()
+            and getattr(_THREAD, "running", None)
+            and _is_scores(x)
+        ):
+            _credit(lambda: _finite_max(x.detach()))
+        return softmax(x, *args, **kwargs)
+
+    return measured
 
 
 def _is_scores(x: Any) -> bool:

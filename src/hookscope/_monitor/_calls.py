@@ -13,8 +13,9 @@ Hooks on modules and tensors cannot see what a training step does around the mod
 
 So, while at least one Monitor is open, ``torch.autograd.backward`` (``Tensor.backward``
 calls it), the two clipping functions, ``GradScaler.scale`` and ``GradScaler.step`` are
-wrapped. A wrapper calls the original unchanged; with no Monitor listening it does nothing
-else. The last Monitor to close puts the originals back. (A script that bound
+wrapped (through ``_hooks.use``, the one owner of what hookscope replaces). A wrapper calls
+the original unchanged; with no Monitor listening it does nothing else. The last Monitor to
+close puts the originals back. (A script that bound
 ``from torch.nn.utils import clip_grad_norm_`` before the first Monitor was made calls torch's
 own function: its gradients are then read at the optimizer step, after clipping.)
 """
@@ -30,6 +31,8 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.amp import grad_scaler
+
+from .._hooks import use
 
 __all__ = ["Listener", "listen", "loss_of", "scale_of"]
 
@@ -74,15 +77,30 @@ def listen(listener: Listener) -> Callable[[], None]:
     stops it (and puts torch's functions back when nothing listens any more)."""
     ref = weakref.ref(listener)
     _listeners.append(ref)
-    _install()
+    releases = [use(owner, name, _one_wrapper(wrap)) for owner, name, wrap in _TARGETS]
 
     def stop() -> None:
         if ref in _listeners:
             _listeners.remove(ref)
-        if not _listeners:
-            _uninstall()
+        while releases:
+            releases.pop()()
 
     return stop
+
+
+# id(original) -> (original, its wrapper): one wrapper per function, so that a function two
+# modules export (``clip_grad_norm_``) stays one object, picklable by its name
+_WRAPPERS: dict[int, tuple[Any, Any]] = {}
+
+
+def _one_wrapper(wrap: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        made = _WRAPPERS.get(id(original))
+        if made is None or made[0] is not original:
+            made = _WRAPPERS[id(original)] = (original, wrap(original))
+        return made[1]
+
+    return make
 
 
 def _live() -> list[Listener]:
@@ -201,26 +219,3 @@ _TARGETS: list[tuple[Any, str, Callable[[Any], Any]]] = [
     (grad_scaler.GradScaler, "scale", _wrap_scale),
     (grad_scaler.GradScaler, "step", _wrap_scaler_step),
 ]
-# (owner, name) -> (torch's function, our wrapper), for what is wrapped now.
-_installed: dict[tuple[Any, str], tuple[Any, Any]] = {}
-
-
-def _install() -> None:
-    wrappers: dict[int, Any] = {}  # one wrapper per function (two modules export clip_grad_*)
-    for owner, name, wrap in _TARGETS:
-        if (owner, name) in _installed:
-            continue
-        original = getattr(owner, name)
-        if id(original) not in wrappers:
-            wrappers[id(original)] = wrap(original)
-        _installed[owner, name] = (original, wrappers[id(original)])
-        setattr(owner, name, wrappers[id(original)])
-
-
-def _uninstall() -> None:
-    """Put torch's functions back, except where someone wrapped ours since: theirs stays,
-    and ours, with no listener, only passes calls through."""
-    for (owner, name), (original, wrapper) in list(_installed.items()):
-        if getattr(owner, name) is wrapper:
-            setattr(owner, name, original)
-            del _installed[owner, name]

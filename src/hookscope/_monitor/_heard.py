@@ -110,8 +110,14 @@ class Ears:
     def after_backward(self, token: tuple[int, bool], loss: torch.Tensor | None) -> None:
         h = self._hooks
         calls, fresh = token
-        if loss is None or h.grad_calls == calls or h.tape.paused:
-            return  # it did not reach the model, or it is a replay of ours
+        if h.tape.paused:
+            return  # a replay of ours
+        if h.grad_calls == calls:  # it did not reach the model: another model's
+            self._checks.backward_missed()
+            return
+        h.now.reached = True
+        if loss is None:
+            return
         heard = h.now.heard
         heard.loss = (
             loss if fresh or heard.loss is None else heard.loss + loss.to(heard.loss.device)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._hooks import HookSet, in_backward_recompute
+from .._hooks import HookSet, alias_grad_outputs, in_backward_recompute
+from .._tap import Tap
 from .._tree import tensors
 from ._compiled import CompiledProbes
 from ._nonfinite import PASS_THROUGH
@@ -112,6 +113,17 @@ class ModuleHooks:
         sampled = s.sampled
         if not sampled and s.light and self.tape.recording:
             return  # the edges' flags and a replay stand for this call's
+        if type(module) is Tap:  # a site of its own: what it passes on is not its input
+            output = alias_grad_outputs(output, args, kwargs)[0]
+            self._on_output(name, module, args, s, output)
+            return output
+        self._on_output(name, module, args, s, output)
+        return None
+
+    def _on_output(
+        self, name: str, module: nn.Module, args: Any, s: StepState, output: Any
+    ) -> None:
+        sampled = s.sampled
         outs = [t for t in tensors(output) if t.is_floating_point()]
         if in_backward_recompute():
             # Activation checkpointing re-runs forward during backward: never count it again.

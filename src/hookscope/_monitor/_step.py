@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._diagnose import Finding, Graph
+from .._record import version
 from ._buffer import StepBuffer
 from ._heard import Heard
 from ._nonfinite import NonFiniteTrail
@@ -39,6 +40,7 @@ class StepState:
         "made",
         "no_grad_names",
         "nonfinite",
+        "reached",
         "returned",
         "sampled",
         "skipped",
@@ -62,10 +64,12 @@ class StepState:
         self.nonfinite: Finding | None = None  # the step's non-finite finding, once found
         self.early: list[Finding] = []  # findings reported before the update
         # scalars heard before the update that went with its transfer: key -> (tensor, version)
-        self.carried: dict[str, tuple[torch.Tensor, int]] = {}
+        self.carried: dict[str, tuple[torch.Tensor, int | None]] = {}
         # Did any hook on the model run, did a backward pass run? (A compiled graph from
         # before the hooks runs the model without them.)
         self.hooks_ran = self.backward_ran = False
+        # Did a backward pass reach the model (another model's, a teacher's, does not)?
+        self.reached = False
 
     def carry_scalars(self) -> None:
         """Put the scalars heard so far (the loss, the clip's norm: ``Heard.scalars()``) into
@@ -74,7 +78,7 @@ class StepState:
         heard = self.heard.scalars()
         for key, value in split_scalars(heard)[0].items():
             self.buf.set(("scalar", key), value)
-            self.carried[key] = (heard[key], heard[key]._version)
+            self.carried[key] = (heard[key], version(heard[key]))
 
     def put_scalars(self, scalars: dict[str, Any]) -> tuple[list[str], dict[str, float]]:
         """At ``step()``: the scalars heard and those given to it (which win), checked; the
@@ -93,13 +97,14 @@ class StepState:
         carried = self.carried.get(key)
         if carried is None:
             return False
-        moved, version = carried
+        moved, then = carried
         return (
-            value.data_ptr() == moved.data_ptr()
+            then is not None  # an inference tensor keeps no version: moved again
+            and value.data_ptr() == moved.data_ptr()
             and value.dtype == moved.dtype
             and value.device == moved.device
             and value.numel() == moved.numel() == 1
-            and value._version == version
+            and version(value) == then
         )
 
     def graph(self) -> Graph:

@@ -29,7 +29,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .._diagnose import Finding
-from .._hooks import HookSet, compiled_wrappers, eager_only, in_backward_recompute
+from .._hooks import (
+    HookSet,
+    compiled_wrappers,
+    eager_only,
+    in_backward_recompute,
+    same_layout_copy,
+)
 from .._tree import map_tensors, tensors
 
 __all__ = ["Call", "Origin", "Tape", "replay", "top_modules", "trace"]
@@ -167,6 +173,8 @@ class Tape:
             return None
         # Hand the caller a fresh alias of each output, whose hook sees only the gradient
         # flowing in from outside the call (not, say, from a loss the model computes itself).
+        # A copy (the hook layer's one aliasing rule), not a view: a hook on a view is dropped
+        # when the caller changes it in place (``logits.div_(T)``), and the step's loss with it.
         count = [0]
 
         def alias(t: torch.Tensor) -> torch.Tensor:
@@ -174,8 +182,8 @@ class Tape:
             count[0] += 1
             if not (t.requires_grad and t.is_floating_point()):
                 return t
-            out = t.view_as(t)
-            out.register_hook(lambda g, i=i: self._grad(call, i, g))
+            out = same_layout_copy(t)
+            self._hooks.tensor(out, lambda g, i=i: self._grad(call, i, g))
             return out
 
         output = map_tensors(alias, output)

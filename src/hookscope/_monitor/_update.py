@@ -54,7 +54,7 @@ class Updates:
             check=self.check,
             before=self.before,
             after=self.after,
-            ready=lambda: self._hooks.now.backward_ran,
+            ready=lambda: self._hooks.now.reached,
         )
 
     def read_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:

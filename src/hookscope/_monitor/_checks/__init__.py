@@ -84,6 +84,13 @@ class Checks:
         for check in self._backward:
             check.before_backward()
 
+    def backward_missed(self) -> None:
+        """The backward pass just started never reached the model (another model's)."""
+        for check in self._backward:
+            missed = getattr(check, "backward_missed", None)
+            if missed is not None:
+                missed()
+
     def begin(self, buf: StepBuffer) -> None:
         """A step starts (``buf`` is its buffer): what a check reads late goes in it."""
         for check in self._begin:

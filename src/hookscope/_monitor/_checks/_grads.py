@@ -36,8 +36,10 @@ class _Since:
         self.backwards = 0
         self.reset = False  # seen on the host: every watched gradient was None
         self.zeroed: list[torch.Tensor] = []  # per backward, on the device: all were zeros
+        self._counted = False  # the last backward pass added to ``zeroed``
 
     def before_backward(self) -> None:
+        self._counted = False
         if self.reset:
             return
         grads = [(p.grad, i) for (_, p), i in zip(self.params, self.index, strict=True)]
@@ -48,6 +50,15 @@ class _Since:
             return
         nonzero = [torch.count_nonzero(torch.take(local(g), i)) for g, i in live]
         self.zeroed.append(torch.stack([n.to(nonzero[0].device) for n in nonzero]).sum() == 0)
+        self._counted = True
+
+    def missed(self) -> None:
+        """The backward pass just counted never reached the model (another model's): it
+        says nothing of these gradients (a reset seen before it still stands)."""
+        if self._counted:
+            self.backwards -= 1
+            self.zeroed.pop()
+            self._counted = False
 
     def stale(self) -> torch.Tensor | None:
         """On the device, 1 when no backward pass since that step found the gradients reset;
@@ -77,6 +88,10 @@ class StaleGradients:
     def before_backward(self) -> None:
         for since in self._since.values():
             since.before_backward()
+
+    def backward_missed(self) -> None:
+        for since in self._since.values():
+            since.missed()
 
     def _pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         since = self._since.pop(id(opt), None)

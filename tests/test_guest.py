@@ -1,0 +1,341 @@
+"""hookscope as a guest in other people's processes: whatever it replaces in torch is torch's
+own object again once its last user closed (in any order, from any thread); attaching to a
+compiled model leaves other models' compiled code alone; another model's backward pass, an
+in-place change of the output, a Tap, and the order of `with` items change nothing that is
+seen."""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+from torch import nn
+from torch.amp import grad_scaler
+
+import hookscope as hs
+from hookscope.testing import assert_no_hooks, assert_torch_untouched
+
+# What torch had before any test of this file ran: compared with `is` after each scenario.
+ORIGINALS = {
+    (torch.autograd, "backward"): torch.autograd.backward,
+    (torch.nn.utils, "clip_grad_norm_"): torch.nn.utils.clip_grad_norm_,
+    (torch.nn.utils.clip_grad, "clip_grad_norm_"): torch.nn.utils.clip_grad.clip_grad_norm_,
+    (torch.nn.utils, "clip_grad_value_"): torch.nn.utils.clip_grad_value_,
+    (torch.nn.utils.clip_grad, "clip_grad_value_"): torch.nn.utils.clip_grad.clip_grad_value_,
+    (grad_scaler.GradScaler, "scale"): grad_scaler.GradScaler.scale,
+    (grad_scaler.GradScaler, "step"): grad_scaler.GradScaler.step,
+    (F, "scaled_dot_product_attention"): F.scaled_dot_product_attention,
+    (torch, "softmax"): torch.softmax,
+    (nn.Module, "__getstate__"): nn.Module.__getstate__,
+    (nn.RNNBase, "__getstate__"): nn.RNNBase.__getstate__,
+}
+
+
+def assert_torch_is_torchs() -> None:
+    for (owner, name), original in ORIGINALS.items():
+        assert getattr(owner, name) is original, f"{owner.__name__}.{name} is still replaced"
+    assert "softmax" not in vars(torch.Tensor)  # inherited from torch._C.TensorBase again
+    assert_torch_untouched()
+
+
+class SelfAttention(nn.Module):
+    """A hand-written causal attention block over SDPA (nanoGPT's shape)."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+def attention_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), SelfAttention(), nn.GELU(), nn.Linear(16, 4))
+
+
+def train(model: nn.Module, steps: int = 2, mon: hs.Monitor | None = None) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        loss = model(torch.randn(2, 5, 8)).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if mon is not None:
+            mon.step()
+
+
+class Tapped(nn.Module):
+    """A Tap between two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.tap_mid, self.out = nn.Linear(4, 4), hs.Tap(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.tap_mid(self.fc(x) * 2).relu())
+
+
+def opener(kind: str, model: nn.Module):
+    if kind == "monitor":
+        return hs.Monitor(model, every=1)
+    if kind == "capture":
+        return hs.capture(model, "1", what=("output", "grad_output"))
+    return hs.intervene(model, {"2": lambda out, site: out * 1.0})
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["monitor", "capture", "monitor2"])))
+@pytest.mark.parametrize("close", ["fifo", "lifo"])
+def test_everything_replaced_is_torchs_own_again_after_any_order_of_users(
+    order: tuple[str, ...], close: str
+) -> None:
+    model = attention_model()
+    opened = [opener(kind.rstrip("2"), model) for kind in order]
+    for user in opened:
+        user.__enter__()
+    train(model, mon=next(u for u in opened if isinstance(u, hs.Monitor)))
+    for user in opened if close == "fifo" else reversed(opened):
+        user.__exit__(None, None, None)
+    assert_torch_is_torchs()
+    assert_no_hooks(model)
+
+
+def test_two_monitors_measure_attention_and_leave_sdpa_torchs_own() -> None:
+    """The leak of the third round: A saved torch's SDPA, B saved A's wrapper, A restored
+    torch's, B restored A's: torch's functions stayed hookscope's for good."""
+    model = attention_model()
+    first, second = hs.Monitor(model, every=1), hs.Monitor(model, every=1)
+    with first:
+        with second:
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for _ in range(2):
+                model(torch.randn(2, 5, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                first.step()
+                second.step()
+        assert F.scaled_dot_product_attention is not ORIGINALS[F, "scaled_dot_product_attention"]
+    assert_torch_is_torchs()
+    for mon in (first, second):
+        logits = [r["attn"]["1"]["logit_max"] for r in mon.records if r.get("attn")]
+        assert len(logits) == 2 and all(v > 0 for v in logits)
+
+
+def test_monitors_in_two_threads_each_see_their_own_attention_and_leave_torch_as_it_was() -> None:
+    models = [attention_model(), attention_model()]
+    with torch.no_grad():  # the second model's logits are 100x the first's
+        models[1][1].qkv.weight.mul_(10.0)
+    monitors = [hs.Monitor(m, every=1) for m in models]
+    barrier, errors = threading.Barrier(2), []
+
+    def run(i: int) -> None:
+        try:
+            with monitors[i]:
+                barrier.wait()
+                train(models[i], steps=3, mon=monitors[i])
+                barrier.wait()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert_torch_is_torchs()
+    small, large = (
+        max(r["attn"]["1"]["logit_max"] for r in mon.records if r.get("attn")) for mon in monitors
+    )
+    assert large > 20 * small  # neither thread's calls were credited to the other's module
+
+
+def test_an_unwatched_sdpa_call_outside_any_attention_module_is_not_measured() -> None:
+    model = attention_model()
+    mon = hs.Monitor(model, every=1)
+    with mon:
+        q = torch.randn(1, 2, 4, 8) * 1000
+        F.scaled_dot_product_attention(q, q, q)  # not the model's: credited to nobody
+        train(model, steps=1, mon=mon)
+    (record,) = [r for r in mon.records if r.get("attn")]
+    assert record["attn"]["1"]["logit_max"] < 1000
+
+
+# -- other models' compiled code -----------------------------------------------------------------
+
+
+class Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).tanh()
+
+
+def test_attaching_to_a_compiled_model_keeps_every_other_models_compiled_code() -> None:
+    compiles: list[str] = []
+
+    def counting(name: str):
+        def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
+            compiles.append(name)
+            return gm.forward
+
+        return backend
+
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    teacher = Teacher()  # another class: its forward's compiled code is its own
+    ours_c = torch.compile(ours, backend=counting("ours"))
+    teacher_c = torch.compile(teacher, backend=counting("teacher"))
+    x = torch.randn(3, 4)
+    ours_c(x), teacher_c(x)
+    assert sorted(compiles) == ["ours", "teacher"]
+    with pytest.warns(hs.HookscopeWarning, match="other compiled functions keep theirs"):
+        cap = hs.capture(ours_c, "1")
+    with cap:
+        ours_c(x)
+        teacher_c(x)
+    assert torch.equal(cap["1"].output, torch.relu(ours[0](x)))  # traced again, with the hook
+    assert compiles.count("teacher") == 1  # the teacher's graph was never dropped
+    assert compiles.count("ours") == 2
+
+
+# -- what the Monitor hears ----------------------------------------------------------------------
+
+
+def test_another_models_backward_before_an_lbfgs_step_is_not_this_steps_pass() -> None:
+    """An oracle twin's backward() before `opt.step(closure)` was taken for the watched
+    model's pass: its gradients were read before the closure ran, all None."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    teacher = nn.Linear(4, 1)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=3)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    mon = hs.Monitor(model, every=1)
+    with mon:
+        for _ in range(3):
+            teacher(x).sum().backward()
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            mon.step()
+    steps = [r for r in mon.records if r["type"] == "step"]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["scalars"]["loss"] > 0
+        assert all(p["grad_norm"] is not None and p["grad_norm"] > 0 for p in r["param"].values())
+    assert not [f for f in mon.findings if f.kind == "stale_gradients"]
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_the_loss_is_heard_when_the_loop_changes_the_output_in_place(every: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    losses = []
+    mon = hs.Monitor(model, every=every)
+    with mon:
+        for _ in range(4):
+            logits = model(x)
+            logits.div_(2.0)  # a temperature, applied in place (logits.div_(T))
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            mon.step()
+    logged = [r["scalars"].get("loss") for r in mon.records if r["type"] == "step"]
+    assert logged == pytest.approx(losses)
+
+
+def test_a_tap_is_a_site_of_the_monitor_as_of_capture() -> None:
+    torch.manual_seed(0)
+    model, x = Tapped(), torch.randn(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = hs.Monitor(model, every=1)
+    with mon, hs.capture(model, "tap_mid", what=("output", "grad_output")) as cap:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step()
+    (record,) = [r for r in mon.records if r["type"] == "step"]
+    assert {"fc", "tap_mid", "out"} <= set(record["act"]) and "tap_mid" in record["grad"]
+    value, grad = cap["tap_mid"].output, cap["tap_mid"].grad_output[0]
+    assert record["act"]["tap_mid"]["mean"] == pytest.approx(value.mean().item(), rel=1e-5)
+    assert record["grad"]["tap_mid"]["norm"] == pytest.approx(grad.norm().item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("at", ["output", "input", "grad_output"])
+@pytest.mark.parametrize("capture_first", [True, False])
+def test_a_capture_sees_the_edited_value_whatever_the_order_of_the_with_items(
+    at: str, capture_first: bool
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    point = {"output": "output", "input": "input", "grad_output": "grad_output"}[at]
+    edit = (lambda v, site: tuple(t * 0 for t in v)) if at == "input" else (lambda v, s: v * 0)
+    opened = [hs.capture(model, "1", what=(point,)), hs.intervene(model, "1", edit, at=at)]
+    users = opened if capture_first else opened[::-1]
+    with users[0], users[1]:
+        model(x).sum().backward()
+    cap = opened[0]
+    seen = getattr(cap["1"], point)
+    seen = seen[0] if isinstance(seen, tuple) else seen
+    assert torch.count_nonzero(seen) == 0
+
+
+# -- saving and copying --------------------------------------------------------------------------
+
+
+class LanguageModel(nn.Module):
+    """pytorch/examples' word_language_model shape: embedding, LSTM, decoder."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.encoder = nn.Embedding(20, 8)
+        self.rnn = getattr(nn, kind)(8, 8, num_layers=2)
+        self.decoder = nn.Linear(8, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.rnn(self.encoder(x))[0])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_a_watched_recurrent_model_saves_and_copies_without_hookscope(kind: str) -> None:
+    torch.manual_seed(0)
+    model = LanguageModel(kind)
+    x = torch.randint(0, 20, (5, 2))
+    mon = hs.Monitor(model, every=1)
+    with mon:
+        model(x).sum().backward()
+        mon.step()
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        clone = copy.deepcopy(model)
+        assert nn.RNNBase.__getstate__ is not ORIGINALS[nn.RNNBase, "__getstate__"]
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (loaded, clone):
+        assert_no_hooks(other)
+        assert torch.equal(other(x), model(x))
+    assert_torch_is_torchs()
