@@ -1,4 +1,5 @@
-"""Shared fixtures: seeded RNG, offline Hugging Face, small thread count."""
+"""Shared fixtures: seeded RNG, offline Hugging Face, small thread count; the
+``requires_torch`` marker."""
 
 from __future__ import annotations
 
@@ -8,9 +9,22 @@ import sys
 import pytest
 import torch
 
+from hookscope._compat import TORCH, release
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(2)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.requires_torch("2.10", reason=...)``: the test needs a capability the
+    running torch release lacks (the reason says which), so it is skipped on older ones. Never
+    for a hookscope bug: that is a failing test."""
+    for mark in item.iter_markers("requires_torch"):
+        if not mark.kwargs.get("reason"):
+            raise pytest.UsageError(f"{item.nodeid}: requires_torch needs a reason=")
+        if release(mark.args[0]) > TORCH:
+            pytest.skip(f"needs torch>={mark.args[0]}: {mark.kwargs['reason']}")
 
 
 @pytest.fixture(autouse=True)

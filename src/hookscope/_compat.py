@@ -27,18 +27,19 @@ __all__ = [
     "custom_op",
     "force_eager",
     "is_compiling",
+    "release",
     "require",
     "skip_frame",
 ]
 
 
-def _release(version: str) -> tuple[int, int]:
+def release(version: str) -> tuple[int, int]:
     """``(major, minor)`` of a torch version string: ``"2.9.1+cu128"`` -> ``(2, 9)``."""
     major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
-TORCH = _release(torch.__version__)
+TORCH = release(torch.__version__)
 EAGER_FLOOR = (2, 4)  # capture / intervene / extract / summary: hooks, with_kwargs, always_call
 MONITOR_FLOOR = (2, 7)  # Dynamo's frame-skip API (_FrameAction), set_stance, custom_op
 
