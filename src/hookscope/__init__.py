@@ -35,6 +35,8 @@ _WHERE = {
     "NonFiniteError": "._errors",
     "SelectionError": "._errors",
     "extract": "._extract",
+    "Patching": "._interp",
+    "patching": "._interp",
     "Intervention": "._intervene",
     "intervene": "._intervene",
     "read_log": "._log",
@@ -73,6 +75,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._errors import SelectionError as SelectionError
     from ._extract import extract as extract
     from ._hooks import Site as Site
+    from ._interp import Patching as Patching
+    from ._interp import patching as patching
     from ._intervene import Intervention as Intervention
     from ._intervene import intervene as intervene
     from ._log import read_log as read_log
@@ -120,6 +124,7 @@ __all__ = [
     "NeverCalledWarning",
     "NoGradWarning",
     "NonFiniteError",
+    "Patching",
     "Record",
     "Replay",
     "SelectionError",
@@ -133,6 +138,7 @@ __all__ = [
     "extract",
     "extract_dataset",
     "intervene",
+    "patching",
     "read_log",
     "replay",
     "report",
