@@ -25,15 +25,20 @@ _WHERE = {
     "Finding": "._diagnose",
     "Thresholds": "._diagnose",
     "CompiledModelError": "._errors",
+    "ExplainError": "._errors",
     "FeatureStoreError": "._errors",
     "HookscopeError": "._errors",
     "HookscopeWarning": "._errors",
     "InterventionError": "._errors",
+    "LayoutError": "._errors",
     "MissingRecordError": "._errors",
     "NeverCalledWarning": "._errors",
     "NoGradWarning": "._errors",
     "NonFiniteError": "._errors",
     "SelectionError": "._errors",
+    "TargetError": "._errors",
+    "Explanation": "._explain",
+    "explain": "._explain",
     "extract": "._extract",
     "Patching": "._interp",
     "patching": "._interp",
@@ -64,15 +69,20 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._diagnose import Finding as Finding
     from ._diagnose import Thresholds as Thresholds
     from ._errors import CompiledModelError as CompiledModelError
+    from ._errors import ExplainError as ExplainError
     from ._errors import FeatureStoreError as FeatureStoreError
     from ._errors import HookscopeError as HookscopeError
     from ._errors import HookscopeWarning as HookscopeWarning
     from ._errors import InterventionError as InterventionError
+    from ._errors import LayoutError as LayoutError
     from ._errors import MissingRecordError as MissingRecordError
     from ._errors import NeverCalledWarning as NeverCalledWarning
     from ._errors import NoGradWarning as NoGradWarning
     from ._errors import NonFiniteError as NonFiniteError
     from ._errors import SelectionError as SelectionError
+    from ._errors import TargetError as TargetError
+    from ._explain import Explanation as Explanation
+    from ._explain import explain as explain
     from ._extract import extract as extract
     from ._hooks import Site as Site
     from ._interp import Patching as Patching
@@ -110,6 +120,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Capture",
     "CompiledModelError",
+    "ExplainError",
     "FeatureStore",
     "FeatureStoreError",
     "Finding",
@@ -118,6 +129,7 @@ __all__ = [
     "Intervention",
     "InterventionError",
     "JsonlSink",
+    "LayoutError",
     "MemorySink",
     "MissingRecordError",
     "Monitor",
@@ -131,10 +143,12 @@ __all__ = [
     "Sink",
     "Site",
     "Tap",
+    "TargetError",
     "TensorBoardSink",
     "Thresholds",
     "capture",
     "compare",
+    "explain",
     "extract",
     "extract_dataset",
     "intervene",

@@ -69,6 +69,21 @@ class NonFiniteError(HookscopeError, FloatingPointError):
         self.rank = rank
 
 
+class ExplainError(HookscopeError, ValueError):
+    """``explain`` was asked for something it cannot do: an unknown method, a module whose
+    output is not a float tensor, a target score that does not depend on the module."""
+
+
+class LayoutError(ExplainError):
+    """``explain`` could not tell how to read a module's output as a grid of positions (or
+    was told a layout that does not fit it); ``layout=`` says which."""
+
+
+class TargetError(ExplainError, IndexError):
+    """An ``explain`` target that does not fit the model's output: an index out of range, one
+    index per sample of the wrong length, or an output with no ``[N, C]`` scores to pick from."""
+
+
 class HookscopeWarning(UserWarning):
     """Base class of hookscope's warnings."""
 
