@@ -40,8 +40,12 @@ _WHERE = {
     "Explanation": "._explain",
     "explain": "._explain",
     "extract": "._extract",
+    "LogitLens": "._interp",
     "Patching": "._interp",
+    "Steering": "._interp",
+    "logit_lens": "._interp",
     "patching": "._interp",
+    "steer": "._interp",
     "Intervention": "._intervene",
     "intervene": "._intervene",
     "read_log": "._log",
@@ -85,8 +89,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._explain import explain as explain
     from ._extract import extract as extract
     from ._hooks import Site as Site
+    from ._interp import LogitLens as LogitLens
     from ._interp import Patching as Patching
+    from ._interp import Steering as Steering
+    from ._interp import logit_lens as logit_lens
     from ._interp import patching as patching
+    from ._interp import steer as steer
     from ._intervene import Intervention as Intervention
     from ._intervene import intervene as intervene
     from ._log import read_log as read_log
@@ -121,6 +129,7 @@ __all__ = [
     "Capture",
     "CompiledModelError",
     "ExplainError",
+    "Explanation",
     "FeatureStore",
     "FeatureStoreError",
     "Finding",
@@ -130,6 +139,7 @@ __all__ = [
     "InterventionError",
     "JsonlSink",
     "LayoutError",
+    "LogitLens",
     "MemorySink",
     "MissingRecordError",
     "Monitor",
@@ -142,6 +152,7 @@ __all__ = [
     "SelectionError",
     "Sink",
     "Site",
+    "Steering",
     "Tap",
     "TargetError",
     "TensorBoardSink",
@@ -152,10 +163,12 @@ __all__ = [
     "extract",
     "extract_dataset",
     "intervene",
+    "logit_lens",
     "patching",
     "read_log",
     "replay",
     "report",
     "select",
+    "steer",
     "summary",
 ]

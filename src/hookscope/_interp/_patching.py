@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections import defaultdict
@@ -19,21 +18,11 @@ from .._select import Where, select
 from .._tree import describe, map_tensors, tensors
 from ._heads import find_heads
 from ._result import Patching
-from ._values import (
-    Inputs,
-    batch_size,
-    first_tensor,
-    inputs,
-    replace_first,
-    run,
-    stack,
-    value_error,
-)
+from ._values import Inputs, Key, attach, batch_size, inputs, run, stack
 
 __all__ = ["patching"]
 
 Metric = Callable[[Any], torch.Tensor]
-Key = tuple[str, int]  # (hooked module, call in the forward pass)
 
 # Tokens per batched forward when batch_size is not given: copies x N x T stays near this.
 _TOKENS_PER_FORWARD = 4096
@@ -145,46 +134,9 @@ def _targets(model: nn.Module, where: Where, heads: Any) -> list[_Target]:
     return found
 
 
-def _attach(
-    hooks: HookSet,
-    model: nn.Module,
-    targets: list[_Target],
-    fn: Callable[[Key, torch.Tensor], torch.Tensor | None],
-) -> None:
-    """Call ``fn((hooked, call), value)`` at each target's value; a tensor it returns
-    replaces the value. Calls are counted from each call of ``model``."""
-    calls: dict[str, int] = defaultdict(int)
-    hooks.forward_pre(model, lambda *_: calls.clear(), prepend=True)
-    modules = dict(model.named_modules())
-
-    def on_value(name: str, value: Any) -> torch.Tensor | None:
-        call = calls[name]
-        calls[name] = call + 1
-        return fn((name, call), value)
-
-    for hooked in dict.fromkeys(t.hooked for t in targets):
-        is_heads = any(t.heads for t in targets if t.hooked == hooked)
-        if is_heads:
-            hooks.forward_pre(modules[hooked], functools.partial(_input_hook, hooked, on_value))
-        else:
-            hooks.forward(modules[hooked], functools.partial(_output_hook, hooked, on_value))
-
-
-def _input_hook(name: str, on_value: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    if not args or not isinstance(args[0], torch.Tensor):
-        raise value_error(name, args, "patching (input of the output projection)")
-    new = on_value(name, args[0])
-    return None if new is None else ((new, *args[1:]), kwargs)
-
-
-def _output_hook(
-    name: str, on_value: Callable, module: nn.Module, args: tuple, kwargs: dict, output: Any
-) -> Any:
-    value = first_tensor(output)
-    if value is None:
-        raise value_error(name, output, "patching")
-    new = on_value(name, value)
-    return None if new is None else replace_first(output, lambda _: new)
+def _hooked(targets: list[_Target]) -> dict[str, bool]:
+    """The hooked modules, each with whether its input (not its output) is the value."""
+    return {t.hooked: t.heads is not None for t in targets}
 
 
 def _record(
@@ -198,7 +150,7 @@ def _record(
         values[key] = value.detach().clone()
 
     with HookSet("patching") as hooks, torch.no_grad():
-        _attach(hooks, model, targets, keep)
+        attach(hooks, model, _hooked(targets), keep)
         output = run(model, x)
         score = _scalar(metric(output), requires_grad=False)
     return values, score, output
@@ -419,7 +371,7 @@ class _Exact:
             torch.no_grad(),
             _bar(self.progress, len(sites), len(chunks)) as bar,
         ):
-            _attach(hooks, self.model, self.targets, self._patch)
+            attach(hooks, self.model, _hooked(self.targets), self._patch)
             for i, chunk in enumerate(chunks):
                 verify = per > 1 and i == 0  # one unpatched copy: is the batch really dim 0?
                 scores = self._forward(x, chunk, n, verify)
@@ -608,7 +560,7 @@ def _attribution(
         return leaf.clone()  # the model goes on with a copy: an in-place op cannot reach it
 
     with HookSet("patching") as hooks, torch.enable_grad():
-        _attach(hooks, model, targets, keep)
+        attach(hooks, model, _hooked(targets), keep)
         output = run(model, x_corrupted)
     score = _scalar(metric(output), requires_grad=True)
     corrupted = {key: leaf.detach() for key, leaf in leaves.items()}

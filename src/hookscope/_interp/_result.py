@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Patching"]
+__all__ = ["LogitLens", "Patching"]
 
 
 class Patching(torch.Tensor):
@@ -78,3 +78,64 @@ _META = ("sites", "dims", "positions", "clean", "corrupted", "method")
 
 def _rebuild(data: torch.Tensor, meta: dict[str, Any]) -> Patching:
     return Patching(data, **meta)
+
+
+class LogitLens(torch.Tensor):
+    """Log-probabilities ``[modules, N, T, vocab]`` read from each module; a plain tensor
+    (what torch returns from it is one) with ``.sites`` naming its rows.
+
+    ``.top(k)`` gives the ``k`` most likely tokens per module, sample and position;
+    notebooks show the most likely token at each module and position (sample 0).
+    """
+
+    sites: tuple[str, ...]
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, **meta: Any) -> LogitLens:
+        result = torch.Tensor._make_subclass(cls, data.detach(), False)
+        for key, value in meta.items():
+            setattr(result, key, value)
+        return result
+
+    def __init__(self, data: torch.Tensor, **meta: Any) -> None:
+        pass
+
+    __torch_function__ = Patching.__torch_function__
+    as_tensor = Patching.as_tensor
+
+    def top(self, k: int = 5) -> torch.return_types.topk:
+        """``(values, indices)``, each ``[modules, N, T, k]``: log-probabilities and token ids
+        of the ``k`` most likely tokens."""
+        return self.as_tensor().topk(k, dim=-1)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        names = ", ".join(self.sites[:6]) + (", ..." if len(self.sites) > 6 else "")
+        return f"LogitLens(modules x N x T x vocab = {tuple(self.shape)})\n  sites: {names}"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        probs, ids = self.top(1)
+        length = self.shape[2]
+        head = "".join(f"<th>{t}</th>" for t in range(length))
+        body = []
+        for i, site in enumerate(self.sites):
+            cells = "".join(
+                f"<td title='p={float(probs[i, 0, t, 0].exp()):.3f}' style='background:"
+                f"rgba(70,130,180,{float(probs[i, 0, t, 0].exp()):.2f})'>"
+                f"{int(ids[i, 0, t, 0])}</td>"
+                for t in range(length)
+            )
+            body.append(f"<tr><th style='text-align:left'>{html.escape(site)}</th>{cells}</tr>")
+        return (
+            f"<div><b>LogitLens</b> {tuple(self.shape)}: most likely next token (sample 0; "
+            "shade and tooltip: its probability)<table><tr><th>module \\ position</th>"
+            f"{head}</tr>{''.join(body)}</table></div>"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (_rebuild_lens, (self.as_tensor().clone(), self.sites))
+
+
+def _rebuild_lens(data: torch.Tensor, sites: tuple[str, ...]) -> LogitLens:
+    return LogitLens(data, sites=sites)

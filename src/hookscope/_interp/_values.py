@@ -7,15 +7,21 @@ releases of transformers, a tensor in newer ones), laid out ``[N, T, ...]``.
 
 from __future__ import annotations
 
+import functools
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
+from .._hooks import HookSet
 from .._tree import describe, map_tensors
 
 __all__ = [
     "Inputs",
+    "Key",
+    "attach",
     "batch_size",
     "first_tensor",
     "inputs",
@@ -26,6 +32,7 @@ __all__ = [
 ]
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+Key = tuple[str, int]  # (module, call in the forward pass)
 
 
 def inputs(x: Any, forward_kwargs: Mapping[str, Any] | None, what: str) -> Inputs:
@@ -88,8 +95,50 @@ def replace_first(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any
     return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
 
 
-def value_error(name: str, value: Any, verb: str) -> TypeError:
+def value_error(name: str, value: Any, what: str) -> TypeError:
     return TypeError(
-        f"{verb}: {name!r} returned {describe(value)}; it needs a tensor, or a tuple whose "
-        "first item is a tensor (the hidden states). Choose the module that returns them."
+        f"{what} {name!r} is {describe(value)}; hookscope needs a tensor, or a tuple whose "
+        "first item is a tensor (the hidden states). Choose a module that returns them."
     )
+
+
+def attach(
+    hooks: HookSet,
+    model: nn.Module,
+    hooked: Mapping[str, bool],
+    fn: Callable[[Key, torch.Tensor], torch.Tensor | None],
+) -> None:
+    """Call ``fn((name, call), value)`` at the value of each module in ``hooked``: its first
+    positional input where ``hooked[name]``, else its output's first tensor. A tensor that
+    ``fn`` returns replaces the value. Calls are counted from each call of ``model``."""
+    calls: dict[str, int] = defaultdict(int)
+    hooks.forward_pre(model, lambda *_: calls.clear(), prepend=True)
+    modules = dict(model.named_modules())
+
+    def on_value(name: str, value: torch.Tensor) -> torch.Tensor | None:
+        call = calls[name]
+        calls[name] = call + 1
+        return fn((name, call), value)
+
+    for name, at_input in hooked.items():
+        if at_input:
+            hooks.forward_pre(modules[name], functools.partial(_input_hook, name, on_value))
+        else:
+            hooks.forward(modules[name], functools.partial(_output_hook, name, on_value))
+
+
+def _input_hook(name: str, on_value: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise value_error(name, args, "the input of")
+    new = on_value(name, args[0])
+    return None if new is None else ((new, *args[1:]), kwargs)
+
+
+def _output_hook(
+    name: str, on_value: Callable, module: nn.Module, args: tuple, kwargs: dict, output: Any
+) -> Any:
+    value = first_tensor(output)
+    if value is None:
+        raise value_error(name, output, "the output of")
+    new = on_value(name, value)
+    return None if new is None else replace_first(output, lambda _: new)
