@@ -30,7 +30,7 @@ from ._hooks import (
     in_backward_recompute,
     no_grad_in_model_message,
 )
-from ._record import Keeper, Record
+from ._record import Keeper, Record, version
 from ._select import Where, select
 from ._tree import tensors
 
@@ -364,7 +364,7 @@ def _check_unchanged(record: Record) -> None:
     """With ``clone=False``, refuse to hand out a value the model changed in place later."""
     for value in (record.input, record.kwargs, record.output):
         for t in tensors(value):
-            if t._version != getattr(t, "_hs_version", t._version):
+            if version(t) != getattr(t, "_hs_version", version(t)):
                 raise HookscopeError(
                     f"the captured value of {record.name!r} (call {record.call}) was changed in "
                     "place by the model after the hook ran (e.g. by nn.ReLU(inplace=True)), so "

@@ -8,7 +8,14 @@ import torch
 
 from ._tree import describe, map_tensors
 
-__all__ = ["Keeper", "Record"]
+__all__ = ["Keeper", "Record", "version"]
+
+
+def version(t: torch.Tensor) -> int | None:
+    """``t._version``, the count of in-place changes to ``t``; ``None`` for a tensor made under
+    ``torch.inference_mode()``, which keeps no count (reading it raises): such a tensor's
+    changes cannot be told, so callers treat it as possibly changed."""
+    return None if t.is_inference() else t._version
 
 
 class Keeper:
@@ -16,7 +23,8 @@ class Keeper:
 
     Copying is the default because the model may change a tensor in place after the hook ran
     (``nn.ReLU(inplace=True)`` right after a BatchNorm); a detached alias would silently show
-    the changed value. ``clone=False`` keeps aliases and instead checks ``_version`` on read.
+    the changed value. ``clone=False`` keeps aliases and instead checks ``_version`` on read
+    (a tensor made under ``torch.inference_mode()`` has none, and is copied all the same).
     """
 
     __slots__ = ("clone", "device", "dtype")
@@ -34,9 +42,9 @@ class Keeper:
         if self.device is not None or dtype is not None:
             moved = t.to(device=self.device, dtype=dtype, non_blocking=False)
             return moved.clone() if (moved is t and self.clone) else moved
-        if self.clone:
+        if self.clone or t.is_inference():  # an inference tensor's changes cannot be told
             return t.clone()
-        t._hs_version = t._version  # an alias: remember its version to detect later changes
+        t._hs_version = version(t)  # an alias: remember its version to detect later changes
         return t
 
     def value(self, obj: Any) -> Any:

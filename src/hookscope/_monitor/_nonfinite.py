@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .._diagnose import Finding
+from .._record import version
 from .._stats import finite_flag, norms
 from ._buffer import Host, StepBuffer
 from ._dist import local
@@ -72,7 +73,7 @@ class NonFiniteTrail:
         # id(tensor) -> (its flag, its version then): who made each tensor seen this step
         # (an id is only trusted while the weak reference says it is the same tensor: a freed
         # tensor's id is reused)
-        self._made_by: dict[int, tuple[int, int, weakref.ref]] = {}
+        self._made_by: dict[int, tuple[int, int | None, weakref.ref]] = {}
         self.edges: set[tuple[str, str]] = set()  # (producer, consumer) modules
         self.detached: set[str] = set()  # producers whose output a consumer got detached
         self._storage: dict[int, str] = {}  # data_ptr of each output -> module that made it
@@ -98,7 +99,7 @@ class NonFiniteTrail:
         not read (``Flag.checked``), and inputs seen for the first time are left to the call
         that checks them (the model's outermost one)."""
         fed = []
-        passed: dict[int, int] = {}  # id -> version of each input seen before
+        passed: dict[int, int | None] = {}  # id -> version of each input seen before
         for t in inputs:
             known = self._known(t)
             if known is None and t.is_floating_point():
@@ -106,19 +107,20 @@ class NonFiniteTrail:
                 if maker is not None:  # another module's output, cut from autograd
                     self.detached.add(maker)
                 if not check:  # not flagged; an output that is this input is still an alias
-                    passed[id(t)] = t._version
+                    passed[id(t)] = version(t)
                     continue
                 index = self._add(
                     buf, Flag("input", name), _nan_flag(t) if nan_inputs else finite_flag(t)
                 )
-                known = self._made_by[id(t)] = (index, t._version, weakref.ref(t))
+                known = self._made_by[id(t)] = (index, version(t), weakref.ref(t))
             if known is not None:
                 passed[id(t)] = known[1]
                 fed.append(known[0])
                 producer = self.flags[known[0]]
                 if producer.phase == "forward":
                     self.edges.add((producer.module, name))
-        new = [t for t in outs if passed.get(id(t)) != t._version]
+        # (an inference tensor keeps no version: the same tensor out may have changed in place)
+        new = [t for t in outs if id(t) not in passed or _changed(passed[id(t)], t)]
         if not new:
             return []
         if check:
@@ -130,12 +132,12 @@ class NonFiniteTrail:
         else:
             index = self._add(buf, Flag("forward", name, tuple(fed), checked=False), None)
         for t in new:
-            self._made_by[id(t)] = (index, t._version, weakref.ref(t))
+            self._made_by[id(t)] = (index, version(t), weakref.ref(t))
             if t.requires_grad:
                 self._storage[t.data_ptr()] = name
         return new
 
-    def _known(self, t: torch.Tensor) -> tuple[int, int, weakref.ref] | None:
+    def _known(self, t: torch.Tensor) -> tuple[int, int | None, weakref.ref] | None:
         entry = self._made_by.get(id(t))
         return entry if entry is not None and entry[2]() is t else None
 
@@ -274,3 +276,9 @@ def _who(module: str) -> str:
 
 def _finding(module: str, step: int, value: float, phase: str, message: str) -> Finding:
     return Finding("nonfinite", module, step, value, message, phase=phase)
+
+
+def _changed(old: int | None, t: torch.Tensor) -> bool:
+    """Whether ``t``, at version ``old`` when it went in, came out changed in place (an
+    inference tensor, with no version, may have been)."""
+    return old is None or version(t) != old
