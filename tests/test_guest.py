@@ -10,6 +10,7 @@ import copy
 import io
 import itertools
 import threading
+import warnings
 
 import pytest
 import torch
@@ -338,4 +339,55 @@ def test_a_watched_recurrent_model_saves_and_copies_without_hookscope(kind: str)
     for other in (loaded, clone):
         assert_no_hooks(other)
         assert torch.equal(other(x), model(x))
+    assert_torch_is_torchs()
+
+
+# -- per-block compile ---------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) + x
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("warm", [False, True], ids=["attached-before-the-first-call", "after"])
+def test_identical_blocks_compiled_one_by_one_run_the_hooks_of_each_block(warm: bool) -> None:
+    """Dynamo skips the guard on an empty hook dict: the graph traced for blocks.0 (no hook)
+    ran blocks.1 and blocks.2 too, and an edit of blocks.2.fc returned the unedited output
+    without a word."""
+    torch.manual_seed(0)
+    net, twin = Blocks(), Blocks()
+    twin.load_state_dict(net.state_dict())
+    for block in net.blocks:
+        block.compile(backend="eager", fullgraph=True)
+    x = torch.randn(4, 8)
+    if warm:
+        net(x)
+    for where in ("blocks.0.fc", "blocks.1.fc", "blocks.2.fc", "blocks.1.fc"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", hs.HookscopeWarning)  # attached after compiling
+            with hs.intervene(net, where, lambda out, site: out * 0), hs.capture(net, where) as cap:
+                edited = net(x)
+        with hs.intervene(twin, where, lambda out, site: out * 0):
+            expected = twin(x)
+        assert torch.allclose(edited, expected), where
+        assert torch.count_nonzero(cap[where].output) == 0
+    assert torch.allclose(net(x), twin(x))  # hooks gone, the graphs without them run again
     assert_torch_is_torchs()

@@ -17,6 +17,7 @@ from torch import nn
 
 from .._compat import force_eager, is_compiling, skip_frame
 from .._errors import CompiledModelError, HookscopeWarning
+from ._set import HookSet
 
 __all__ = [
     "check_not_compiled",
@@ -24,6 +25,7 @@ __all__ = [
     "eager_calls",
     "eager_model",
     "eager_only",
+    "guard_module_hooks",
     "in_backward_recompute",
     "live_objects",
     "uncompiled",
@@ -41,6 +43,22 @@ def in_backward_recompute() -> bool:
     if is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+def guard_module_hooks(hooks: HookSet) -> None:
+    """While ``hooks`` holds module hooks, have Dynamo guard on every module's hooks, empty
+    ones included (``skip_nnmodule_hook_guards = False``; held through ``_patches``).
+
+    By default Dynamo skips the guard on an empty hook dict: with identical blocks compiled
+    one by one (``block.compile()``), the graph traced for ``blocks.0`` (no hook) would run
+    ``blocks.1`` as well, without the hook hookscope put on its child, silently. With the
+    guard, a block whose hooks differ compiles once more and runs its hooks. Only once Dynamo
+    is imported (importing it costs seconds; nothing compiles before): a verb calls this
+    when attaching and at each outermost call of the model.
+    """
+    config = sys.modules.get("torch._dynamo.config")
+    if config is not None:
+        hooks.patch(config, "skip_nnmodule_hook_guards", lambda skip: False)
 
 
 def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -161,26 +179,34 @@ def eager_calls() -> contextlib.AbstractContextManager[None]:
 
 
 def _compiled_codes(model: nn.Module) -> dict[str, list[Any]]:
-    """Code objects Dynamo holds compiled code for among ``model``'s ``forward`` functions,
-    by the class they belong to.
+    """Code objects Dynamo holds compiled code for among the ``forward`` functions of
+    ``model``'s compiled parts, by the class they belong to.
 
     Dynamo keeps its compiled graphs in a cache on each code object it compiled: the
     ``forward`` of the module ``torch.compile`` wrapped, of a module compiled in place, or
-    of a block compiled on its own, shared by every instance of the class.
+    of a block compiled on its own, shared by every instance of the class. Only the parts of
+    *this* model that are compiled (wrapped, or compiled in place, and what they hold) count:
+    another instance of a class compiled elsewhere (an eager twin of a compiled model) runs
+    eagerly, hooks included, and keeps its own compiled code.
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # dynamo never imported: nothing
     entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)  # was compiled
     if entries is None:
         return {}
-    found: dict[str, list[Any]] = {}
-    for kind in dict.fromkeys(type(m) for m in model.modules()):
-        codes = [code for code in _forward_codes(kind) if entries(code)]
-        if codes:
-            found[kind.__name__] = codes
+    kinds = dict.fromkeys(type(m) for m in model.modules())
+    codes = {kind: [c for c in _forward_codes(kind) if entries(c)] for kind in kinds}
+    inline = _wrap_inline_code() if _wrapped_inline(model) else None
+    if not any(codes.values()) and not (inline is not None and entries(inline)):
+        return {}
+    wrapped = {id(o._orig_mod) for o in live_objects(_optimized_module_class())}
+    compiled: dict[type, None] = {}
+    for module in model.modules():
+        if id(module) in wrapped or getattr(module, "_compiled_call_impl", None) is not None:
+            compiled.update(dict.fromkeys(type(m) for m in module.modules()))
+    found = {kind.__name__: codes[kind] for kind in compiled if codes[kind]}
     # torch's own containers share one wrapper's code: only when this model has a wrapper
-    if _wrapped_inline(model) and entries(inline := _wrap_inline_code()):
-        if compiled_wrappers(model):
-            found.setdefault(type(model).__name__, []).append(inline)
+    if inline is not None and entries(inline) and id(model) in wrapped:
+        found.setdefault(type(model).__name__, []).append(inline)
     return found
 
 

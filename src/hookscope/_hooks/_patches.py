@@ -22,6 +22,7 @@ imported, for the life of the watched process.
 from __future__ import annotations
 
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -44,21 +45,23 @@ class _Patch:
         self.users += 1
         if self.wrapper is not None:  # installed, or left in someone's chain: taken up again
             return
-        own = (
-            vars(self.owner).get(self.name, _MISSING)
-            if hasattr(self.owner, "__dict__")
-            else _MISSING
-        )
-        self.original = own
+        self.original = self._own()
         self.wrapper = self.make(getattr(self.owner, self.name))
         setattr(self.owner, self.name, self.wrapper)
+
+    def _own(self) -> Any:
+        """The attribute the owner itself holds (``_MISSING`` where a class inherits it);
+        for other objects (a config module's setting), its value."""
+        if isinstance(self.owner, (type, types.ModuleType)):
+            return vars(self.owner).get(self.name, _MISSING)
+        return getattr(self.owner, self.name)
 
     def release(self) -> bool:
         """One user fewer; True when the attribute is torch's (or Python's) own again."""
         self.users -= 1
         if self.users > 0:
             return False
-        if vars(self.owner).get(self.name, _MISSING) is not self.wrapper:
+        if self._own() is not self.wrapper:
             return False  # wrapped since by someone else: ours stays in their chain, idle
         if self.original is _MISSING:
             delattr(self.owner, self.name)  # inherited: the base's shows through again

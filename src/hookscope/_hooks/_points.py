@@ -16,7 +16,7 @@ from torch import nn
 
 from .._compat import is_compiling
 from .._tree import map_tensors, tensors
-from ._compile import in_backward_recompute
+from ._compile import guard_module_hooks, in_backward_recompute
 from ._set import HookSet
 
 __all__ = [
@@ -88,10 +88,13 @@ class CallClock:
         self._trail: deque[tuple[str, int, int, tuple | None, int, Any]] = deque(maxlen=1 << 16)
         self._task = -1
         self._at: int | None = None  # position in the trail of the last re-run call
+        self._hooks = hooks
+        guard_module_hooks(hooks)
         hooks.forward_pre(root, self._root_called, prepend=True)
         hooks.forward(root, self._root_returned, always_call=True)
 
     def _root_called(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        guard_module_hooks(self._hooks)  # compiled since it was attached: guard the hooks
         if not in_backward_recompute():
             self.pass_ += 1
             self._calls.clear()
