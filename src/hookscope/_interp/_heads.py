@@ -73,6 +73,13 @@ def _projection(name: str, module: nn.Module, proj: str | None) -> str:
                 f"{HEADS_HELP}."
             )
         return _join(name, proj)
+    kind = f"{name.rsplit('.', 1)[-1]} {type(module).__name__}".lower()
+    if "attn" not in kind and "attention" not in kind:
+        raise ValueError(
+            f"patching(heads=True): {name!r} ({type(module).__name__}) does not look like an "
+            "attention module (neither its name nor its class says attn or attention); choose "
+            f"the attention modules, or name the projection. {HEADS_HELP}."
+        )
     named = [n for n in inside if n and n.rsplit(".", 1)[-1] in PROJECTION_NAMES]
     if len(named) == 1:
         return _join(name, named[0])

@@ -582,7 +582,7 @@ def _attribution(
         if key is None:
             continue
         grad = grads[key]
-        if grad is None:
+        if grad is None or not bool(grad.any()):  # the metric does not depend on it
             missed.append(rows.labels[row])
             grad = torch.zeros_like(clean[key])
         per = _per_site(clean[key] - corrupted[key], grad, rows.heads[row], rows.positions)
@@ -594,7 +594,8 @@ def _attribution(
     if missed:
         warnings.warn(
             f"patching(method='attribution'): no gradient of the metric reached "
-            f"{name_list(missed)} (their rows are 0): the metric does not depend on them",
+            f"{name_list(missed)} (none, or zeros everywhere; their rows are 0): the metric "
+            "does not depend on them",
             NeverCalledWarning,
             stacklevel=3,
         )
