@@ -1,7 +1,8 @@
 """The ``hookscope`` command: a thin shell over the public API.
 
 Exit status: 0 on success, 1 for an error hookscope reports (``HookscopeError``, a module or
-factory that cannot be loaded), 2 for a usage error. Errors go to stderr as ``Error: ...``
+factory that cannot be loaded), 2 for a usage error; ``diff`` follows diff(1): 0 when the runs
+agree, 1 when they part, 2 when they cannot be compared. Errors go to stderr as ``Error: ...``
 followed by a ``Try 'hookscope <cmd> --help'`` hint; expected errors print no traceback.
 """
 
@@ -11,6 +12,7 @@ import argparse
 import difflib
 import importlib
 import json
+import math
 import os
 import re
 import sys
@@ -87,17 +89,25 @@ def _parser() -> _Parser:
     diff = sub.add_parser(
         "diff",
         help="print the first module and step where two monitored runs part",
-        description="Compare two runs' logs step by step, modules in execution order, and print "
-        "the first statistic that differs beyond the tolerance. Exit status 1 when the runs "
-        "diverge, 0 when they agree.",
+        description="Compare two runs of one model step by step, modules in execution order, "
+        "and print the first statistic that differs beyond the tolerance (or the step where "
+        "the shorter run ended). Exit status, as diff(1)'s: 0 when the runs agree, 1 when they "
+        "part, 2 when they cannot be compared (a log missing or unreadable, runs of different "
+        "models, a bad option).",
     )
     diff.add_argument("log_a", metavar="LOG_A", help="the first run's log_dir, or its .jsonl")
     diff.add_argument("log_b", metavar="LOG_B", help="the second run's")
     diff.add_argument(
-        "--rtol", type=float, default=1e-3, help="relative tolerance (default: %(default)s)"
+        "--rtol",
+        type=_tolerance,
+        default=1e-3,
+        help="relative tolerance, >= 0 (default: %(default)s)",
     )
     diff.add_argument(
-        "--atol", type=float, default=1e-6, help="absolute tolerance (default: %(default)s)"
+        "--atol",
+        type=_tolerance,
+        default=1e-6,
+        help="absolute tolerance, >= 0 (default: %(default)s)",
     )
     diff.set_defaults(run=_diff)
 
@@ -193,6 +203,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number >= 0 (0 compares exactly), got {text!r}"
+        )
+    return value
+
+
 def _shape(text: str) -> tuple[int, ...]:
     parts = [p for p in re.split(r"[,x\s()\[\]]+", text.strip()) if p]
     if not parts or not all(p.isdigit() for p in parts):
@@ -248,7 +270,11 @@ def _report(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     from ._compare import compare
 
-    found = compare(args.log_a, args.log_b, rtol=args.rtol, atol=args.atol)
+    try:
+        found = compare(args.log_a, args.log_b, rtol=args.rtol, atol=args.atol)
+    except HookscopeError as exc:  # not comparable: diff(1)'s "trouble", not "they differ"
+        sys.stderr.write(f"Error: {exc}\nTry 'hookscope diff --help' for help.\n")
+        return 2
     if found is None:
         print(f"the runs agree (rtol={args.rtol:g}, atol={args.atol:g})")
         return 0
