@@ -183,3 +183,82 @@ def test_a_signal_inside_a_stuck_tensorboard_write_still_ends_the_run(tmp_path: 
     assert code == -signal.SIGTERM, err
     steps = [r["step"] for r in hs.read_log(out) if r["type"] == "step"]
     assert steps[:3] == [0, 1, 2]  # every step ended before the signal is in the log
+
+
+# -- a script that handles SIGTERM itself keeps its exit status ------------------------------
+
+# Lightning's trainer installs its SIGTERM handler when fit() starts (after the optimizer, so
+# after the watch agent's), chaining to the one it found; it stops at the next batch and the
+# script ends normally, exit status 0.
+LIGHTNING = """
+import os, signal, torch, torch.nn as nn, lightning as L
+
+class Regressor(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, i):
+        if i == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+torch.manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+trainer = L.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_progress_bar=False,
+                    enable_model_summary=False, enable_checkpointing=False)
+trainer.fit(Regressor(), torch.utils.data.DataLoader(data, batch_size=4))
+print("stopped at", trainer.global_step, "interrupted", trainer.interrupted)
+"""
+
+# The same pattern without Lightning: a handler installed after the first step (so after the
+# agent's) that notes the signal, calls the previous handler if it is a function, and lets the
+# loop end early; the script then exits 0.
+CHAINING = """
+import os, signal, torch, torch.nn as nn
+stop = []
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(50):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if step == 0:
+        previous = signal.getsignal(signal.SIGTERM)
+        def on_sigterm(signum, frame):
+            stop.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+        signal.signal(signal.SIGTERM, on_sigterm)
+    if step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+    if stop:
+        break
+print("stopped at", step)
+"""
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("script", [LIGHTNING, CHAINING], ids=["lightning", "chaining"])
+def test_a_script_that_handles_sigterm_keeps_its_exit_status_under_watch(
+    tmp_path: Path, script: str
+) -> None:
+    if script is LIGHTNING:
+        pytest.importorskip("lightning")
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(script), encoding="utf-8")
+    bare = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-m", "hookscope", "watch", "--out", str(tmp_path / "out")]
+    watched = subprocess.run(
+        [*command, "--", sys.executable, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert bare.returncode == 0, bare.stderr
+    assert watched.returncode == bare.returncode, watched.stderr
+    assert watched.stdout == bare.stdout  # it stopped where the bare run stopped
+    assert "killed by SIGTERM" not in watched.stderr
+    steps = [r["step"] for r in hs.read_log(tmp_path / "out") if r["type"] == "step"]
+    assert steps == list(range(len(steps))) and len(steps) >= 5
+    assert (tmp_path / "out" / "report.html").is_file()

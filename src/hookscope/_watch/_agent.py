@@ -122,6 +122,7 @@ class Agent:
         self._pid = os.getpid()
         self._exit_handlers = False
         self._previous_sigterm: Any = None
+        self._sigterm: Any = None  # the handler this agent installed
         self._closer: Closer | None = None
         self._signalled = False
         self._off = False
@@ -394,7 +395,8 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             self._closer = Closer(functools.partial(self.close, finish=False))
             self._previous_sigterm = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm = self._on_sigterm  # one object: the handler in place is it, or not
+            signal.signal(signal.SIGTERM, self._sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """Let SIGTERM do what it did before (the previous handler), or close the logs and
@@ -403,12 +405,17 @@ class Agent:
         It takes no lock: the signal may have interrupted a sink holding its own (TensorBoard's
         ``add_scalar``), which this thread would then wait for for ever. The logs are closed by
         :class:`Closer`'s thread, waited for at most ``_CLOSE_WITHIN`` seconds; a second
-        signal ends the process at once."""
+        signal ends the process at once.
+
+        Called by another handler, installed after this one, that chains to it (Lightning's
+        trainer stops at the next batch and exits cleanly), it does what the handler it
+        replaced would have done there: ``SIG_DFL`` or ``SIG_IGN`` is no function to call, so
+        nothing; the process goes on, and ends with the status the bare run has."""
         previous = self._previous_sigterm
         if callable(previous):
             previous(signum, frame)
             return
-        if previous == signal.SIG_IGN:
+        if previous == signal.SIG_IGN or signal.getsignal(signal.SIGTERM) is not self._sigterm:
             return
         if not self._signalled and self._closer is not None and os.getpid() == self._pid:
             self._signalled = True
