@@ -58,7 +58,11 @@ class Plan:
 
 
 def plan_for(module: nn.Module) -> Plan:
-    bounds = next((b for kind, b in _BOUNDED.items() if isinstance(module, kind)), None)
+    bounds = None
+    for kind, b in _BOUNDED.items():  # not next(generator, None): Dynamo 2.7 breaks the graph
+        if isinstance(module, kind):
+            bounds = b
+            break
     return Plan(bounds=bounds, dead=isinstance(module, _RELU_LIKE))
 
 
