@@ -181,8 +181,10 @@ def test_report_separates_current_findings_from_cleared_ones(run_dir: Path, tmp_
     findings = html[
         html.index('id="findings"') : html.index("</section>", html.index('id="findings"'))
     ]
-    events, rest = findings.split("No current finding")
+    # A NaN happened: the note that nothing is current is not the green "all clear".
+    events, rest = findings.split('<p class="note">No condition is current')
     current, cleared = rest.split("Cleared (1)")
+    assert 'class="ok"' not in findings
     # The NaN is an event at its step: neither current forever nor cleared.
     assert "Findings (2)" in events and "Events (1)" in events
     assert "<td>bn</td>" in events and ">at step 12</td>" in events
@@ -500,3 +502,8 @@ def test_precision_losses_are_charted_per_module_and_dtype(tmp_path: Path) -> No
     with Browser(tmp_path / "profile") as b:
         _open(b, page)
         assert "precision.grad:1" in b.eval("Object.keys(hsCharts)")
+        # A fraction's axis starts at 0 (no swing magnified) and ends near its largest value.
+        lo, hi = b.eval(
+            "[hsCharts['precision.grad:1'].scales.y.min, hsCharts['precision.grad:1'].scales.y.max]"
+        )
+        assert lo == 0 and max(logged) <= hi <= min(1, 1.1 * max(logged)) + 1e-9

@@ -45,8 +45,22 @@ class Raw(str):
 
 
 def payload(runs: list[Run]) -> dict[str, Any]:
-    """Everything the page's script draws, for one run or several overlaid."""
-    return {"runs": [_run(run) for run in runs]}
+    """Everything the page's script draws, for one run or several overlaid; ``steps``: the
+    step range every chart on the shared step axis spans (each run's steps, evaluation
+    passes and findings included: an evaluation logged after the last training step is on
+    the axis, not clipped at its edge)."""
+    return {"runs": [_run(run) for run in runs], "steps": _domain(runs)}
+
+
+def _domain(runs: list[Run]) -> list[int]:
+    steps = [int(s["step"]) for run in runs for s in run.steps[:1] + run.steps[-1:]]
+    steps += [int(e.get("step") or 0) for run in runs for e in run.evals]
+    steps += [int(f["step"]) for run in runs for f in run.findings if _is_int(f.get("step"))]
+    return [min(steps), max(steps)] if steps else [0, 0]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _run(run: Run) -> dict[str, Any]:
@@ -62,13 +76,14 @@ def _run(run: Run) -> dict[str, Any]:
     lines = {}
     for group, key, log in LINE_STATS:
         m = groups.get(group, {}).get(key)
-        if m is not None:
+        if m is not None and _any_value(m, log):  # no attention logit on a CNN: no series
             lines[f"{group}.{key}"] = _series(m, cuts, log)
     params, ratio = _ratios(run, sampled)
     nan = run.nan_start()
     return {
         "label": run.label,
         "modules": order,
+        "types": {name: str(t) for name, t in (run.header.get("modules") or {}).items()},
         "x": _ints(_bucket_x(steps, cuts)),
         "lines": lines,
         "ratio": {"names": params, "y": _series(ratio, cuts, True)},
@@ -129,9 +144,14 @@ def _precision(sampled: list[dict[str, Any]], order: list[str], cuts: Any) -> di
                             m = found[side][key] = np.full((len(order), len(sampled)), np.nan)
                         m[i, j] = value
     return {
-        side: {key: _series(m, cuts, False) for key, m in series.items() if np.nanmax(m) > 0}
+        side: {key: _series(m, cuts, False) for key, m in series.items() if np.any(m > 0)}
         for side, series in found.items()
     }
+
+
+def _any_value(m: Any, log: bool) -> bool:
+    """Whether a statistic has a value to draw: a finite one (a positive one on a log axis)."""
+    return bool(np.any(m > 0) if log else np.isfinite(m).any())
 
 
 def _ratios(run: Run, sampled: list[dict[str, Any]]) -> tuple[list[str], Any]:
@@ -238,14 +258,14 @@ def _heat(norms: Any, steps: Any, order: list[str]) -> dict[str, Any] | None:
         return None
     with np.errstate(divide="ignore", invalid="ignore"):
         logs = np.where(norms > 0, np.log10(norms), np.nan)
-    keep = np.isfinite(logs).any(axis=1)
+    keep = ~np.isnan(logs).all(axis=1)
     if not keep.any():
         return None
     logs = logs[keep]
     cols = min(len(steps), HEAT_COLUMNS)
     cuts = np.linspace(0, len(steps), cols + 1).astype(np.int64)
     grid = np.fmax.reduceat(logs, cuts[:-1], axis=1)  # fmax: NaN only where all are
-    lo, hi = float(np.nanmin(grid)), float(np.nanmax(grid))
+    lo, hi = _finite_range(grid)  # an infinite norm takes the top colour
     return {
         "modules": [n for n, k in zip(order, keep, strict=True) if k],
         "steps": _ints(steps[cuts[:-1]]),
@@ -414,11 +434,22 @@ def _ints(values: Any) -> Raw:
     return Raw("[" + ",".join(str(v) for v in np.asarray(values).tolist()) + "]")
 
 
+def _finite_range(values: Any) -> tuple[float, float]:
+    """The smallest and largest finite value (``(0, 0)`` when none is)."""
+    finite = np.asarray(values, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    return (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+
+
 def _bytes(grid: Any, lo: float, hi: float) -> str:
-    """Cells scaled to 0..254 over ``[lo, hi]``, 255 where there is no value; base64."""
-    span = hi - lo if hi > lo else 1.0
-    q = np.clip(np.round((np.asarray(grid, dtype=float) - lo) / span * 254), 0, 254)
-    q = np.where(np.isfinite(grid), q, 255).astype(np.uint8)
+    """Cells scaled to 0..254 over ``[lo, hi]`` (finite; values beyond them, infinities
+    included, take the end's byte), 255 where there is no value (NaN); base64. Halves are
+    subtracted, so that no finite range overflows (a log holding 3e38 and -3e38)."""
+    g = np.asarray(grid, dtype=float)
+    clipped = np.clip(np.nan_to_num(g, nan=lo, posinf=hi, neginf=lo), lo, hi)
+    span = hi * 0.5 - lo * 0.5
+    scaled = (clipped * 0.5 - lo * 0.5) / span if span > 0 else np.zeros_like(clipped)
+    q = np.where(np.isnan(g), 255, np.round(scaled * 254)).astype(np.uint8)
     return base64.b64encode(q.tobytes()).decode("ascii")
 
 

@@ -5,6 +5,7 @@
   "use strict";
   const D = JSON.parse(document.getElementById("hs-data").textContent);
   const RUNS = D.runs;
+  const DOMAIN = D.steps; // [first, last]: the steps every chart on the shared axis spans
   const COLORS = ["#1f6fb4", "#d6402b", "#2a9d4b", "#8a55c0", "#e08a10", "#148f8f"];
   const SYNC = "hs-steps";
   const charts = [];
@@ -48,15 +49,41 @@
       return "";
     });
   }
-  // A linear range that never magnifies noise: at least 1 % of the values' magnitude.
+  // A linear range that never magnifies noise: values within 1 % of their magnitude are
+  // drawn flat, in the middle of a range from 0 to twice their value (a constant learning
+  // rate of 3e-3 on 0 ... 6e-3, not a 0.00299 ... 0.00301 axis).
   function linRange(u, min, max) {
     if (min == null || max == null) return [0, 1];
     const mid = (min + max) / 2;
-    if (max - min < 1e-12 && mid === 0) return [0, 1];
-    const need = Math.max(Math.abs(mid) * 0.01, 1e-12);
-    if (max - min < need) return [mid - need / 2, mid + need / 2];
+    if (max - min <= Math.abs(mid) * 0.01 || max - min < 1e-12) {
+      if (Math.abs(mid) < 1e-12) return [-1, 1];
+      return mid > 0 ? [0, 2 * mid] : [2 * mid, 0];
+    }
     const pad = (max - min) * 0.05;
     return [min - pad, max + pad];
+  }
+  // A fraction: from 0, so that 0.48 -> 0.54 reads as the 6 % it is, not as a full swing.
+  function fracRange(u, min, max) {
+    if (max == null || !(max > 0)) return [0, 1];
+    return [0, Math.min(1, max * 1.1)];
+  }
+  const ZERO_TO_ONE = () => [0, 1];
+
+  // Every chart on the shared step axis spans the same steps (DOMAIN): its x values are
+  // padded with the domain's ends (no value there), so that an evaluation logged after the
+  // last training step, or a run shorter than another, sits where it belongs on every chart,
+  // and a double-click zooms every chart out to the same range.
+  function padToDomain(data) {
+    const xs = data[0];
+    if (!xs.length) return data;
+    const head = xs[0] > DOMAIN[0], tail = xs[xs.length - 1] < DOMAIN[1];
+    if (!head && !tail) return data;
+    return data.map((col, k) => {
+      const out = Array.from(col);
+      if (head) out.unshift(k === 0 ? DOMAIN[0] : null);
+      if (tail) out.push(k === 0 ? DOMAIN[1] : null);
+      return out;
+    });
   }
 
   // -- shared zoom --------------------------------------------------------------------------
@@ -121,7 +148,8 @@
       }
       return cols;
     });
-    const data = tables.length === 1 ? tables[0] : uPlot.join(tables);
+    const joined = tables.length === 1 ? tables[0] : uPlot.join(tables);
+    const data = spec.own ? joined : padToDomain(joined);
     const series = [{ label: "step", value: (u, v) => (v == null ? "\u2013" : String(Math.round(v))) }];
     const bands = [];
     spec.series.forEach((s, i) => {
@@ -143,7 +171,7 @@
       bands,
       legend: { live: true },
       cursor: { sync: { key: SYNC, setSeries: false }, drag: { x: true, y: false, setScale: true } },
-      scales: { x: { time: false }, y: spec.log ? { distr: 3, log: 10 } : { range: linRange } },
+      scales: { x: { time: false }, y: spec.log ? { distr: 3, log: 10 } : { range: spec.range || linRange } },
       axes: [
         { size: 34, font: "11px system-ui", values: (u, s, a, sp, incr) => linTicks(u, s, a, sp, Math.max(1, incr)) },
         { size: 62, font: "11px system-ui", values: spec.log ? logTicks : linTicks },
@@ -221,6 +249,24 @@
   };
   const LOG = { "grad.norm": true, "act.kurtosis": true, "act.absmax_over_rms": true };
   const GUIDE = { "act.kurtosis": 3, "act.absmax_over_rms": 100, "attn.logit_max": 50 };
+  const RANGE = { "act.zero_frac": ZERO_TO_ONE };
+  // A heading and its grid of small charts, made when the first chart is: a statistic no
+  // module has (attention logits on a CNN) leaves no empty heading.
+  function group(el, title) {
+    let grid = null;
+    return () => {
+      if (grid) return grid;
+      const h = document.createElement("h3");
+      h.textContent = title;
+      el.appendChild(h);
+      return (grid = panel(el, "grid"));
+    };
+  }
+  // A module's chart title: its name and type ("features.4 · Conv2d").
+  function moduleTitle(m) {
+    const type = RUNS.map((r) => r.types && r.types[m]).find((t) => t);
+    return type ? m + " · " + type : m;
+  }
   function drawModules() {
     const el = document.getElementById("hs-modules");
     if (!el) return;
@@ -228,10 +274,7 @@
     for (const r of RUNS) for (const m of r.modules) if (!modules.includes(m)) modules.push(m);
     for (const stat of Object.keys(TITLES)) {
       if (!RUNS.some((r) => r.lines[stat])) continue;
-      const h = document.createElement("h3");
-      h.textContent = TITLES[stat];
-      el.appendChild(h);
-      const grid = panel(el, "grid");
+      const grid = group(el, TITLES[stat]);
       const w = width(el, 4);
       for (const m of modules) {
         const series = [];
@@ -243,15 +286,12 @@
           series.push({ label: RUNS.length > 1 ? r.label : stat.split(".")[1], x: r.x, y, band, color: COLORS[i % COLORS.length] });
         });
         if (!series.length) continue;
-        lineChart(panel(grid), { id: stat + ":" + m, title: m, width: w, height: 150, log: !!LOG[stat], guide: GUIDE[stat],
-          series, marks: runMarks(RUNS[0], m) });
+        lineChart(panel(grid()), { id: stat + ":" + m, title: moduleTitle(m), width: w, height: 150, log: !!LOG[stat],
+          guide: GUIDE[stat], range: RANGE[stat], series, marks: runMarks(RUNS[0], m) });
       }
     }
     if (RUNS.some((r) => r.ratio.names.length)) {
-      const h = document.createElement("h3");
-      h.textContent = "update ratio \u2016\u0394W\u2016/\u2016W\u2016 per weight (log; dashed: 1e-3)";
-      el.appendChild(h);
-      const grid = panel(el, "grid");
+      const grid = group(el, "update ratio \u2016\u0394W\u2016/\u2016W\u2016 per weight (log; dashed: 1e-3)");
       const names = [];
       for (const r of RUNS) for (const n of r.ratio.names) if (!names.includes(n)) names.push(n);
       for (const n of names) {
@@ -260,7 +300,7 @@
           const row = r.ratio.names.indexOf(n);
           if (row >= 0 && r.ratio.y[row].some((v) => v != null)) series.push({ label: RUNS.length > 1 ? r.label : "ratio", x: r.x, y: r.ratio.y[row], color: COLORS[i % COLORS.length] });
         });
-        if (series.length) lineChart(panel(grid), { id: "ratio:" + n, title: n, width: width(el, 4), height: 150, log: true, guide: 1e-3, series });
+        if (series.length) lineChart(panel(grid()), { id: "ratio:" + n, title: n, width: width(el, 4), height: 150, log: true, guide: 1e-3, series });
       }
     }
     drawPrecision(el, modules);
@@ -271,10 +311,7 @@
   function drawPrecision(el, modules) {
     for (const side of Object.keys(SIDES)) {
       if (!RUNS.some((r) => r.precision && r.precision[side] && Object.keys(r.precision[side]).length)) continue;
-      const h = document.createElement("h3");
-      h.textContent = "fraction of the " + SIDES[side] + " values that would underflow to 0 or overflow in each dtype";
-      el.appendChild(h);
-      const grid = panel(el, "grid");
+      const grid = group(el, "fraction of the " + SIDES[side] + " values that would underflow to 0 or overflow in each dtype");
       for (const m of modules) {
         const series = [];
         RUNS.forEach((r, ri) => {
@@ -285,7 +322,8 @@
               series.push({ label: (RUNS.length > 1 ? r.label + " " : "") + key, x: r.x, y, color: COLORS[(ri * 4 + k) % COLORS.length] });
           });
         });
-        if (series.length) lineChart(panel(grid), { id: "precision." + side + ":" + m, title: m, width: width(el, 4), height: 150, series });
+        if (series.length) lineChart(panel(grid()), { id: "precision." + side + ":" + m, title: moduleTitle(m), width: width(el, 4), height: 150,
+          range: fracRange, series });
       }
     }
   }
@@ -296,8 +334,8 @@
     if (!el) return;
     const rows = [];
     RUNS.forEach((r, ri) => r.findings.forEach((f) => rows.push({ ...f, run: ri })));
-    const first = Math.min(...RUNS.map((r) => r.first));
-    const last = Math.max(...RUNS.map((r) => r.last), first + 1);
+    const first = DOMAIN[0];
+    const last = Math.max(DOMAIN[1], first + 1);
     const n = Math.max(rows.length, 1);
     const draw = (u) => {
       const ctx = u.ctx;
@@ -315,11 +353,13 @@
         ctx.fillRect(x0, y0 + 2, x1 - x0, y1 - y0 - 4);
         const label = (RUNS.length > 1 ? RUNS[f.run].label + ": " : "") + f.kind + " \u00b7 " + (f.module || "(model)") +
           (f.event ? " \u00b7 at step " + f.step : " \u00b7 step " + f.step + (f.cleared_at == null ? " (current)" : " \u2192 cleared at " + f.cleared_at));
-        const room = x0 - u.bbox.left - 8 * devicePixelRatio;
-        const fits = ctx.measureText(label).width <= room;
-        ctx.fillStyle = fits ? "#1d2430" : "#ffffff";
-        ctx.textAlign = fits ? "right" : "left";
-        ctx.fillText(label, fits ? x0 - 6 * devicePixelRatio : x0 + 6 * devicePixelRatio, (y0 + y1) / 2);
+        // The label: left of the bar if it fits there, else inside it (white) if the bar is
+        // long enough, else right of the bar (a short bar near the left edge).
+        const pad = 6 * devicePixelRatio, w = ctx.measureText(label).width;
+        const left = w <= x0 - u.bbox.left - 2 * pad, inside = w + 2 * pad <= x1 - x0;
+        ctx.fillStyle = !left && inside ? "#ffffff" : "#1d2430";
+        ctx.textAlign = left ? "right" : "left";
+        ctx.fillText(label, left ? x0 - pad : inside ? x0 + pad : x1 + pad, (y0 + y1) / 2);
       });
       ctx.restore();
     };
@@ -566,12 +606,27 @@
     });
   }
 
-  for (const draw of [drawTimeline, drawCurves, drawWindows, drawModules, drawEvals, drawHeatmaps, drawHists, drawFeatureMaps]) {
-    try {
-      draw();
-    } catch (err) {
-      console.error("hookscope report: " + draw.name + " failed: " + err);
-      throw err;
+  // What draws each section's charts, by the section's id (the report's SECTIONS, in
+  // _report/_sections.py): a new section adds its drawer here, reading its own key of each
+  // run's data. Drawn in page order; a section not on the page is skipped.
+  const DRAWERS = {
+    findings: [drawTimeline],
+    curves: [drawCurves],
+    windows: [drawWindows],
+    modules: [drawModules],
+    evals: [drawEvals],
+    heatmaps: [drawHeatmaps, drawHists],
+    "feature-maps": [drawFeatureMaps],
+  };
+  for (const [id, draws] of Object.entries(DRAWERS)) {
+    if (!document.querySelector('section[id="' + id + '"], section[id^="' + id + '-"]')) continue;
+    for (const draw of draws) {
+      try {
+        draw();
+      } catch (err) {
+        console.error("hookscope report: " + draw.name + " failed: " + err);
+        throw err;
+      }
     }
   }
   document.documentElement.dataset.hsReady = String(charts.length);
