@@ -19,6 +19,8 @@ CONTRACT = [
     "NonFiniteError",
     "summary",
     "report",
+    "explain",
+    "Explanation",
 ]
 
 

@@ -78,18 +78,21 @@ def cam(method: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def eigencam(a: torch.Tensor) -> torch.Tensor:
     """The projection of A (positions x channels, centred over positions) on its first
-    principal direction, signed so that the map sums to >= 0, ``[N, *spatial]``.
+    principal direction, ``[N, *spatial]``.
 
-    Computed in float64 (the direction of a nearly degenerate spectrum is then the same
-    whatever the batch), returned in A's dtype.
+    The sign: a centred projection sums to zero by construction, so its own sum cannot
+    choose it; the direction is signed to point along the mean activation (the projection
+    of A before centring sums to >= 0). Computed in float64 (the same direction whatever
+    the batch), returned in A's dtype.
     """
     n, k = a.shape[:2]
     m = a.reshape(n, k, -1).transpose(1, 2).double()  # [N, P, K]
-    m = m - m.mean(1, keepdim=True)
+    mean = m.mean(1, keepdim=True)
+    m = m - mean
     direction = torch.linalg.svd(m, full_matrices=False).Vh[:, 0, :]  # [N, K]
-    proj = (m @ direction.unsqueeze(-1)).squeeze(-1)  # [N, P]
-    sign = torch.where(proj.sum(1, keepdim=True) < 0, -1.0, 1.0)
-    return (proj * sign).to(a.dtype).reshape(n, *a.shape[2:])
+    sign = torch.where((mean.squeeze(1) * direction).sum(1, keepdim=True) < 0, -1.0, 1.0)
+    proj = (m @ (direction * sign).unsqueeze(-1)).squeeze(-1)  # [N, P]
+    return proj.to(a.dtype).reshape(n, *a.shape[2:])
 
 
 def score_weights(scores: torch.Tensor, a: torch.Tensor) -> torch.Tensor:

@@ -38,9 +38,11 @@ def untouched(model: nn.Module, train: bool) -> Iterator[None]:
         for module, name, buf, saved, seen in buffers:
             if module._buffers.get(name) is not buf:
                 module._buffers[name] = buf
-            if buf is not None and (seen is None or _version(buf) != seen):
-                with torch.no_grad():
-                    buf.copy_(saved)
+            # BatchNorm updates its statistics without counting a version: compare values.
+            # Put back through .data, counting none either (a graph that saved the buffer,
+            # the user's forward pass waiting for backward, stays valid: same values).
+            if buf is not None and (_version(buf) != seen or not torch.equal(buf, saved)):
+                buf.data.copy_(saved)
         _set_rng_state(rng)
 
 
