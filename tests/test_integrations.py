@@ -39,6 +39,35 @@ def _grad_norms(model: nn.Module) -> dict[str, float]:
     return {n: p.grad.norm().item() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def test_the_window_sends_its_last_steps_grad_norm_or_none_never_an_older_one() -> None:
+    """What both callbacks send as hookscope/grad_norm, in a plain loop: the window's last
+    step's total norm before clipping (a sampled step's, or the one clip_grad_norm_
+    measured), and no key at all on a step that has neither."""
+    from hookscope.integrations._common import Window
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    window, sent, measured = Window(), [], {}
+    with hs.Monitor(model, every=3, log_dir=None) as mon:
+        for step in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            if step in (1, 4):  # clips on these steps only
+                measured[step] = float(nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+            opt.step()
+            mon.step()
+            window.add(mon)
+            if step != 1:  # step 1's window is read with step 2's: step 2 has no norm
+                sent.append(window.read(mon).get("hookscope/grad_norm"))
+    steps = _steps(mon)
+    assert [r["sampled"] for r in steps] == [True, False, False, True, False]
+    assert sent[0] == pytest.approx(_total(steps[0]))
+    assert sent[1] is None  # step 2: not sampled, not clipped; not step 1's, not step 0's
+    assert sent[2] == pytest.approx(_total(steps[3]))
+    assert sent[3] == pytest.approx(measured[4], rel=1e-6)
+
+
 # -- Lightning ---------------------------------------------------------------------------------
 L = pytest.importorskip("lightning.pytorch")
 from hookscope.integrations.lightning import HookscopeCallback as LightningCallback  # noqa: E402
@@ -308,6 +337,32 @@ def test_trainer_logs_gradients_before_clipping_once_per_optimizer_step(
 
     assert_no_hooks(model)
     _no_wrappers_left(trainer)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])
+def test_trainer_logs_each_logging_steps_own_grad_norm_between_sampled_steps(
+    tmp_path: Path, max_grad_norm: float
+) -> None:
+    """The README's run: every=5, a log every 2 steps. hookscope/grad_norm is the norm of the
+    step the Trainer logs (its own grad_norm), not of the last sampled step (steps 1 and 3
+    are not sampled: they used to carry step 0's). Also without clipping (max_grad_norm=0:
+    the Trainer still measures the norm)."""
+    model, recorder = _gpt2(), Recorder()
+    cb = HFCallback(every=5, log_dir=None)
+    args = _train_args(tmp_path, max_steps=6, logging_steps=2, max_grad_norm=max_grad_norm)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_tokens(48), callbacks=[recorder, cb]
+    )
+    trainer.train()
+    steps = _steps(cb.monitor)
+    assert [r["sampled"] for r in steps] == [True, False, False, False, False, True]
+    logs = [h for h in recorder.logs if "loss" in h]
+    assert len(logs) == 3 and all("hookscope/grad_norm" in h for h in logs)
+    ours = [h["hookscope/grad_norm"] for h in logs]
+    assert ours == pytest.approx([h["grad_norm"] for h in logs], rel=1e-5)  # the Trainer's
+    assert ours == pytest.approx([steps[k]["scalars"]["grad_norm"] for k in (1, 3, 5)])
+    assert len({round(v, 6) for v in ours}) == 3  # three steps, three norms
+    assert_no_hooks(model)
 
 
 def test_trainer_flags_a_nan_loss_that_its_log_filter_hides(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from .._log import LOG_NAME
 from .._monitor import Monitor, monitor_options
 from .._report import report
 
-__all__ = ["Window", "check_options", "close_and_report"]
+__all__ = ["Window", "check_options", "close_and_report", "step_grad_norm"]
 
 PREFIX = "hookscope/"
 
@@ -57,10 +57,25 @@ def total_grad_norm(record: dict[str, Any]) -> float | None:
     return math.sqrt(math.fsum(n * n for n in norms)) if norms else None
 
 
+def step_grad_norm(record: dict[str, Any]) -> float | None:
+    """That step's total gradient norm before clipping: on a sampled step, from its
+    per-parameter norms; else the norm ``clip_grad_norm_`` measured, logged on every step
+    that clipped (the Hugging Face Trainer measures it on every optimizer step, with
+    ``max_norm=inf`` when it does not clip); ``None`` on a step with neither, never another
+    step's value."""
+    if record.get("sampled"):
+        found = total_grad_norm(record)
+        if found is not None:
+            return found
+    clipped = (record.get("scalars") or {}).get("grad_norm")
+    return float(clipped) if isinstance(clipped, (int, float)) else None
+
+
 class Window:
     """The compact subset for a framework's loggers, over the steps since it was last read:
-    the mean loss (unfiltered: a NaN stays NaN), the total gradient norm of the last sampled
-    step (before clipping), the number of findings so far and of those new in the window."""
+    the mean loss (unfiltered: a NaN stays NaN), the total gradient norm of the window's
+    last step (before clipping; absent when that step has none: see
+    :func:`step_grad_norm`), the number of findings so far and of those new in the window."""
 
     def __init__(self) -> None:
         self._seen = 0  # findings already counted in an earlier window
@@ -73,15 +88,15 @@ class Window:
 
     def add(self, monitor: Monitor) -> None:
         """Take in the step the Monitor just closed."""
+        self._grad_norm = None  # the last step's or none: never an older step's
         record = last_step(monitor)
         if record is None:
             return
         loss = record.get("scalars", {}).get("loss")
         if loss is not None:
             self._losses.append(float(loss))
-        if record.get("sampled"):
-            self._sampled = True
-            self._grad_norm = total_grad_norm(record)
+        self._sampled = self._sampled or bool(record.get("sampled"))
+        self._grad_norm = step_grad_norm(record)
 
     def fresh(self, monitor: Monitor) -> bool:
         """A sampled step or a new finding since the last read."""

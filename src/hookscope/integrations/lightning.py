@@ -19,7 +19,9 @@ Where Lightning (2.x) calls it:
   subset (``hookscope/loss``, ``hookscope/grad_norm``, ``hookscope/findings``,
   ``hookscope/new_findings``) goes to ``trainer.loggers`` from rank 0, on sampled steps and
   on steps with a new finding, at the step Lightning logs ``self.log()`` values of the same
-  optimizer step at.
+  optimizer step at. ``hookscope/grad_norm`` is that step's total norm before clipping (a
+  sampled step's, or what ``clip_grad_norm_`` measured with ``gradient_clip_val``); a step
+  with a new finding and neither sends none rather than an older step's.
 - ``teardown`` (after ``fit``) and ``on_exception``: the Monitor is closed (every hook
   removed) and rank 0 writes ``report.html`` next to the log.
 """

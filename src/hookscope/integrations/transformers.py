@@ -21,7 +21,10 @@ on the instances and only while ``train()`` runs, three things of the Trainer th
 - ``trainer.log``: a training log (one with ``loss``) also gets the compact subset
   (``hookscope/loss``, ``hookscope/grad_norm``, ``hookscope/findings``,
   ``hookscope/new_findings``) before any callback sees it, so it reaches every
-  ``report_to`` logger and ``trainer.state.log_history``.
+  ``report_to`` logger and ``trainer.state.log_history``. ``hookscope/grad_norm`` is the
+  logged step's own total norm before clipping, the Trainer's ``grad_norm`` beside it,
+  whether or not the step was sampled; a step without one (no clip measured it, not
+  sampled) sends none rather than an older step's.
 
 ``on_step_end`` closes the step (one record per optimizer step, whatever
 ``gradient_accumulation_steps`` is), and ``on_train_end`` closes the Monitor (every hook
