@@ -10,7 +10,6 @@ import copy
 import io
 import itertools
 import threading
-import warnings
 
 import pytest
 import torch
@@ -367,6 +366,7 @@ class Blocks(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.filterwarnings("ignore:hookscope.*traced again:hookscope.HookscopeWarning")
 @pytest.mark.parametrize("warm", [False, True], ids=["attached-before-the-first-call", "after"])
 def test_identical_blocks_compiled_one_by_one_run_the_hooks_of_each_block(warm: bool) -> None:
     """Dynamo skips the guard on an empty hook dict: the graph traced for blocks.0 (no hook)
@@ -381,13 +381,51 @@ def test_identical_blocks_compiled_one_by_one_run_the_hooks_of_each_block(warm: 
     if warm:
         net(x)
     for where in ("blocks.0.fc", "blocks.1.fc", "blocks.2.fc", "blocks.1.fc"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", hs.HookscopeWarning)  # attached after compiling
-            with hs.intervene(net, where, lambda out, site: out * 0), hs.capture(net, where) as cap:
-                edited = net(x)
+        with hs.intervene(net, where, lambda out, site: out * 0), hs.capture(net, where) as cap:
+            edited = net(x)
         with hs.intervene(twin, where, lambda out, site: out * 0):
             expected = twin(x)
         assert torch.allclose(edited, expected), where
         assert torch.count_nonzero(cap[where].output) == 0
     assert torch.allclose(net(x), twin(x))  # hooks gone, the graphs without them run again
+    assert_torch_is_torchs()
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.filterwarnings("ignore:hookscope.*traced again:hookscope.HookscopeWarning")
+@pytest.mark.parametrize("verb", ["capture", "intervene"])
+def test_gradients_inside_a_full_graph_are_refused_with_hookscopes_reason(verb: str) -> None:
+    """A gradient hook cannot be compiled into a graph: under fullgraph=True the error says
+    so and names the fixes (it was a Dynamo internal error pointing into hookscope); without
+    fullgraph the graph breaks at that module and the gradient is right."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    net, twin = Blocks(), Blocks()
+    twin.load_state_dict(net.state_dict())
+    x = torch.randn(4, 8)
+    for block in net.blocks:
+        block.compile(backend="eager", fullgraph=True)
+
+    def attach(model: nn.Module):
+        if verb == "capture":
+            return hs.capture(model, "blocks.1.fc", what="grad_output")
+        return hs.intervene(model, "blocks.1.fc", lambda g, site: g * 2, at="grad_output")
+
+    refused = attach(net)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="hookscope: .* fullgraph=True"):
+        with refused:
+            net(x).sum().backward()
+    assert_no_hooks(net)
+    for block in net.blocks:
+        block.compile(backend="eager")  # the same, without fullgraph
+    with attach(net) as compiled, attach(twin) as eager:
+        net(x).sum().backward()
+        twin(x).sum().backward()
+    if verb == "capture":
+        assert torch.allclose(
+            compiled["blocks.1.fc"].grad_output[0], eager["blocks.1.fc"].grad_output[0]
+        )
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad)
     assert_torch_is_torchs()

@@ -25,6 +25,7 @@ from ._hooks import (
     HookSet,
     alias_grad_inputs,
     alias_grad_outputs,
+    break_graph_for,
     eager_model,
     forward_failed,
     in_backward_recompute,
@@ -177,6 +178,7 @@ class Capture:
     def _hook_grad_inputs(self, record: Record, args: tuple, kwargs: dict) -> Any:
         if "grad_input" not in self.what:
             return None
+        break_graph_for(f"capture of the gradients of {record.name!r}", "capture")
         record._grad_in = [None] * len(args)
         args, indices = alias_grad_inputs(args)
         for i in indices:
@@ -205,6 +207,7 @@ class Capture:
     def _hook_grad_outputs(self, record: Record, output: Any, args: tuple, kwargs: dict) -> Any:
         if "grad_output" not in self.what:
             return None
+        break_graph_for(f"capture of the gradients of {record.name!r}", "capture")
         new, aliases = alias_grad_outputs(output, args, kwargs)
         record._grad_out = [None] * len(tensors(output))
         for i, t in enumerate(aliases):

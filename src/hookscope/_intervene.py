@@ -18,6 +18,7 @@ from ._hooks import (
     Site,
     alias_grad_inputs,
     alias_grad_outputs,
+    break_graph_for,
     eager_model,
     forward_failed,
     in_backward_recompute,
@@ -174,6 +175,7 @@ class Intervention:
             return None
         if not self._grad_enabled(name):
             return None
+        break_graph_for(f"intervene at {self.at!r} of {name!r}", "intervene")
         call = self._site(name, module, args).call
         new, aliases = alias_grad_outputs(output, args, kwargs)
         for i, t in enumerate(aliases):
@@ -187,6 +189,7 @@ class Intervention:
     ) -> Any:
         if not self._grad_enabled(name):
             return None
+        break_graph_for(f"intervene at {self.at!r} of {name!r}", "intervene")
         call = self._site(name, module, args).call
         args, indices = alias_grad_inputs(args)
         for i in indices:

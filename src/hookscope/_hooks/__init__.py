@@ -10,6 +10,7 @@ means, and replaces anything in torch.
 """
 
 from ._compile import (
+    break_graph_for,
     check_not_compiled,
     compiled_wrappers,
     eager_calls,
@@ -41,6 +42,7 @@ __all__ = [
     "Site",
     "alias_grad_inputs",
     "alias_grad_outputs",
+    "break_graph_for",
     "check_not_compiled",
     "compiled_wrappers",
     "eager_calls",

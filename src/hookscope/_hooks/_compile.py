@@ -17,9 +17,11 @@ from torch import nn
 
 from .._compat import force_eager, is_compiling, skip_frame
 from .._errors import CompiledModelError, HookscopeWarning
+from .._inputs import check_model
 from ._set import HookSet
 
 __all__ = [
+    "break_graph_for",
     "check_not_compiled",
     "compiled_wrappers",
     "eager_calls",
@@ -43,6 +45,24 @@ def in_backward_recompute() -> bool:
     if is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+def break_graph_for(what: str, verb: str) -> None:
+    """Inside a Dynamo trace: break the graph here, saying why.
+
+    A gradient is read or edited by a tensor hook that calls Python during backward, which
+    a graph cannot hold: Dynamo breaks the graph at this module (the model still compiles,
+    around it), and under ``fullgraph=True``, where it may not, it refuses with this message
+    instead of an internal error pointing into hookscope."""
+    if is_compiling():
+        import torch._dynamo
+
+        torch._dynamo.graph_break(
+            msg=f"hookscope: {what} needs a gradient hook, which cannot be compiled into a "
+            "graph. Fix: compile without fullgraph=True (the graph then breaks at this module "
+            f"only), or run {verb} on the eager model (`compiled._orig_mod`), or ask only for "
+            "'input'/'output' values, which compile without a break."
+        )
 
 
 def guard_module_hooks(hooks: HookSet) -> None:
@@ -92,6 +112,7 @@ def check_not_compiled(model: nn.Module, verb: str) -> None:
     For the verbs that run the model themselves (``summary``, ``extract_dataset``); the
     others attach through :func:`eager_model`, which watches a compiled model instead.
     """
+    check_model(model, verb)  # a function or TorchScript: no hook would run
     for name, module in model.named_modules():
         wrapped = _is_optimized_module(module)
         if not wrapped and getattr(module, "_compiled_call_impl", None) is None:
@@ -123,6 +144,7 @@ def eager_model(model: nn.Module, verb: str) -> nn.Module:
     other compiled function of the process keeps its graphs), with a warning, and the model
     is traced again with the hooks at its next call.
     """
+    check_model(model, verb)  # a function or TorchScript: no hook would run
     model = uncompiled(model)
     compiled = _compiled_codes(model)
     if compiled:
@@ -179,33 +201,26 @@ def eager_calls() -> contextlib.AbstractContextManager[None]:
 
 
 def _compiled_codes(model: nn.Module) -> dict[str, list[Any]]:
-    """Code objects Dynamo holds compiled code for among the ``forward`` functions of
-    ``model``'s compiled parts, by the class they belong to.
+    """Code objects Dynamo holds compiled code for among ``model``'s ``forward`` functions,
+    by the class they belong to.
 
     Dynamo keeps its compiled graphs in a cache on each code object it compiled: the
     ``forward`` of the module ``torch.compile`` wrapped, of a module compiled in place, or
-    of a block compiled on its own, shared by every instance of the class. Only the parts of
-    *this* model that are compiled (wrapped, or compiled in place, and what they hold) count:
-    another instance of a class compiled elsewhere (an eager twin of a compiled model) runs
-    eagerly, hooks included, and keeps its own compiled code.
+    of a block compiled on its own, shared by every instance of the class (an eager twin
+    compiled later would run the graph traced for another instance, without the hooks).
     """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # dynamo never imported: nothing
     entries = getattr(eval_frame, "_debug_get_cache_entry_list", None)  # was compiled
     if entries is None:
         return {}
-    kinds = dict.fromkeys(type(m) for m in model.modules())
-    codes = {kind: [c for c in _forward_codes(kind) if entries(c)] for kind in kinds}
-    inline = _wrap_inline_code() if _wrapped_inline(model) else None
-    if not any(codes.values()) and not (inline is not None and entries(inline)):
-        return {}
-    wrapped = {id(o._orig_mod) for o in live_objects(_optimized_module_class())}
-    compiled: dict[type, None] = {}
-    for module in model.modules():
-        if id(module) in wrapped or getattr(module, "_compiled_call_impl", None) is not None:
-            compiled.update(dict.fromkeys(type(m) for m in module.modules()))
-    found = {kind.__name__: codes[kind] for kind in compiled if codes[kind]}
+    found: dict[str, list[Any]] = {}
+    for kind in dict.fromkeys(type(m) for m in model.modules()):
+        codes = [code for code in _forward_codes(kind) if entries(code)]
+        if codes:
+            found[kind.__name__] = codes
     # torch's own containers share one wrapper's code: only when this model has a wrapper
-    if inline is not None and entries(inline) and id(model) in wrapped:
+    inline = _wrap_inline_code() if _wrapped_inline(model) else None
+    if inline is not None and entries(inline) and compiled_wrappers(model):
         found.setdefault(type(model).__name__, []).append(inline)
     return found
 

@@ -68,6 +68,10 @@ class HookSet:
         self._module_ids: set[int] = set()
         # What this set holds replaced in torch (_patches.use), by what: released with it.
         self._patches: dict[Any, Callable[[], None]] = {}
+        # Module hooks switched on and off together (``grouped``, ``switch``), by name
+        self._groups: dict[str, _Group] = {}
+        self._group: _Group | None = None  # where module hooks registered now go
+        self._besides: nn.Module | None = None  # whose hooks stay out of it
         weakref.finalize(self, _forget_module_hooks, self._module_ids, self._patches)
         _LIVE.add(self)
 
@@ -119,6 +123,8 @@ class HookSet:
         return handle
 
     def _keep_module_hook(self, handle: RemovableHandle, module: nn.Module) -> None:
+        if self._group is not None and module is not self._besides:
+            self._group.add(handle)
         self._module_ids.add(handle.id)
         _MODULE_HOOK_IDS.add(handle.id)
         # The __getstate__ that pickling ``module`` calls leaves our hooks out
@@ -126,6 +132,33 @@ class HookSet:
         if issubclass(owner, nn.Module):
             self.patch(owner, "__getstate__", _without_hooks)
         self._keep(handle)
+
+    # -- groups: module hooks that are on only when needed -----------------------------------
+    @contextlib.contextmanager
+    def grouped(self, name: str, *, besides: nn.Module | None = None) -> Iterator[None]:
+        """Module hooks registered in the block belong to the group ``name``, which
+        :meth:`switch` takes off the modules and puts back at once; those on ``besides``
+        (the module whose hooks switch the group, which must not change its own hooks while
+        torch runs them) stay out of it."""
+        kept = self._group, self._besides
+        self._group = self._groups.setdefault(name, _Group())
+        self._besides = besides
+        try:
+            yield
+        finally:
+            self._group, self._besides = kept
+
+    def switch(self, name: str, on: bool) -> None:
+        """Put the hooks of group ``name`` on their modules, or take them off: a module
+        whose hooks are all off is called by torch without any hook dispatch at all. Each
+        comes back under its own key, in its place among the module's other hooks."""
+        group = self._groups.get(name)
+        if group is not None and group.on != on:
+            group.put_back() if on else group.take_off()
+
+    def is_on(self, name: str) -> bool:
+        group = self._groups.get(name)
+        return group is None or group.on
 
     # -- torch's own functions -------------------------------------------------------------
     def patch(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -167,6 +200,9 @@ class HookSet:
 
     def remove(self) -> None:
         """Remove every hook this set added. Safe to call more than once."""
+        for group in self._groups.values():
+            group.forget()
+        self._groups.clear()
         while self._tensor_handles:
             self._tensor_handles.pop().remove()
         while self._handles:
@@ -185,6 +221,60 @@ class HookSet:
 
     def __repr__(self) -> str:
         return f"HookSet(owner={self.owner!r}, {len(self)} hooks)"
+
+
+class _Group:
+    """Module hooks taken off and put back together, each under its own key and in its
+    place among the other hooks of its module (``HookSet.switch``)."""
+
+    __slots__ = ("_away", "_handles", "_orders", "on")
+
+    def __init__(self) -> None:
+        self.on = True
+        self._handles: list[RemovableHandle] = []
+        self._away: list[tuple[dict, int, Any]] = []  # (hook dict, key, value) while off
+        self._orders: list[tuple[dict, list[int]]] = []  # each dict's keys before
+
+    def add(self, handle: RemovableHandle) -> None:
+        self._handles.append(handle)
+        if not self.on:  # registered while the group is off: off at once
+            self._take_off([handle])
+
+    def take_off(self) -> None:
+        self.on = False
+        self._orders = []
+        self._take_off(self._handles)
+
+    def _take_off(self, handles: list[RemovableHandle]) -> None:
+        seen: set[int] = {id(d) for d, _ in self._orders}
+        for handle in handles:
+            for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
+                hooks = ref()
+                if hooks is None or handle.id not in hooks:
+                    continue
+                if id(hooks) not in seen:
+                    seen.add(id(hooks))
+                    self._orders.append((hooks, list(hooks)))
+                self._away.append((hooks, handle.id, hooks.pop(handle.id)))
+
+    def put_back(self) -> None:
+        self.on = True
+        away, self._away = self._away, []
+        for hooks, key, value in away:
+            hooks[key] = value
+        orders, self._orders = self._orders, []
+        for hooks, before in orders:
+            now = list(hooks)
+            was = set(before)
+            order = [k for k in before if k in hooks] + [k for k in now if k not in was]
+            if now != order:  # another hook came or went meanwhile, or ours were first
+                items = [(k, hooks[k]) for k in order]
+                hooks.clear()
+                hooks.update(items)
+
+    def forget(self) -> None:
+        """The set is removed: what is off stays off."""
+        self._away, self._orders, self._handles = [], [], []
 
 
 def _code_of(fn: Callable[..., Any]) -> Any:
