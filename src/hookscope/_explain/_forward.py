@@ -3,15 +3,18 @@
 Each call of an explained module gives its output A, copied when the hook runs (so an
 in-place op after the module, ``nn.ReLU(inplace=True)`` or torchvision DenseNet's
 ``F.relu(norm5(x), inplace=True)``, cannot change it), and, for the methods that need a
-gradient, the tensor ``src`` that the gradient is taken against:
+gradient, what the gradient is taken against:
 
-    src = A.clone()            (never handed to the model: nothing changes it in place)
-    the model goes on with src.clone()
+- where the module made its output (the usual case), the *gradient edge* into the autograd
+  node that made it, taken when the hook runs: later in-place ops on the output give it a
+  new node but leave that edge where it was, so ``torch.autograd.grad(score, edge)`` is the
+  gradient with respect to the value the module returned;
+- else (the output is, or shares memory with, one of the module's inputs; or it does not
+  require grad, in a frozen model) a copy ``src = A.clone()`` (a fresh leaf where it does
+  not require grad) that the model never sees: it goes on with ``src.clone()``.
 
-``torch.autograd.grad(score, src)`` then differentiates down to the module and no further,
-whatever the model does to its own copy afterwards, and makes no parameter gradient. Where
-the module's output does not require grad (a frozen model), ``src`` is a fresh leaf that
-does: nothing below the module needs a gradient then.
+Either way autograd differentiates down to the module and no further, and makes no
+parameter gradient.
 
 A pass can also *patch* one call of one module: its output replaced by a given value (the
 points on the path of integrated gradients).
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from .._errors import ExplainError
 from .._hooks import HookSet
@@ -33,8 +37,9 @@ from ._inputs import Inputs
 
 __all__ = ["Call", "record"]
 
-# One call of an explained module: (src, A). src is None where no gradient is taken.
-Call = tuple["torch.Tensor | None", "torch.Tensor"]
+# One call of an explained module: (src, A). src (a tensor, or the gradient edge into the node
+# that made the output) is None where no gradient is taken.
+Call = tuple["torch.Tensor | GradientEdge | None", "torch.Tensor"]
 
 
 class _Recorder:
@@ -61,6 +66,11 @@ class _Recorder:
                 )
             return put(value.clone())
         if self.keep_src and torch.is_grad_enabled():
+            if t.grad_fn is not None and not _aliases(t, args, kwargs):
+                # The module made t: the gradient is taken at the edge into the node that
+                # made it, which later in-place ops on t do not move. One copy, A.
+                calls.append((get_gradient_edge(t), t.detach().clone()))
+                return None
             src = t.clone() if t.requires_grad else t.detach().clone().requires_grad_()
             calls.append((src, src.detach()))
             return put(src.clone())
@@ -87,6 +97,13 @@ def record(
             hooks.forward(module, functools.partial(recorder.hook, name))
         output = inputs.call(model)
     return recorder.calls, output
+
+
+def _aliases(t: torch.Tensor, args: Any, kwargs: Any) -> bool:
+    """Whether ``t`` shares memory with an input of the module (an in-place module, an
+    identity, a view): its node then also carries the input's other uses."""
+    storage = t.untyped_storage().data_ptr()
+    return any(u is t or u.untyped_storage().data_ptr() == storage for u in tensors((args, kwargs)))
 
 
 def _first_tensor(name: str, output: Any) -> tuple[torch.Tensor, Callable[[Any], Any]]:

@@ -32,6 +32,19 @@ _CHANNELS_FIRST = (
     nn.GroupNorm,
 )
 _CHANNELS_LAST = (nn.Linear, nn.LayerNorm)
+# Modules that keep their input's layout (seen through to the module before them).
+_ELEMENTWISE = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Hardswish,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Identity,
+    nn.modules.dropout._DropoutNd,
+)
 
 
 @dataclass(frozen=True)
@@ -162,12 +175,24 @@ def _token_grid(tokens: int, image: tuple[int, ...] | None) -> tuple[int, int] |
 
 def _settle(fits: list[Layout], module: nn.Module) -> list[Layout]:
     """Of several readings, those the module's kind allows (a conv's output is channels
-    first; a Linear's or LayerNorm's has its channels last)."""
+    first; a Linear's or LayerNorm's has its channels last). An ``nn.Sequential`` returns
+    its last child's output: that child decides, through elementwise ones (ReLU, Dropout)."""
+    kind = _kind(module)
+    if kind is None:
+        return []
+    return [f for f in fits if (f.kind == "NCHW") == (kind == "first")]
+
+
+def _kind(module: nn.Module) -> str | None:
     if isinstance(module, _CHANNELS_FIRST):
-        return [f for f in fits if f.kind == "NCHW"]
+        return "first"
     if isinstance(module, _CHANNELS_LAST):
-        return [f for f in fits if f.kind != "NCHW"]
-    return []
+        return "last"
+    if type(module) is nn.Sequential:
+        for child in reversed(list(module.children())):
+            if not isinstance(child, _ELEMENTWISE):
+                return _kind(child)
+    return None
 
 
 def _against(image: tuple[int, ...] | None) -> str:

@@ -29,9 +29,9 @@ def _spatial(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _weighted(weights: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """relu(sum_k w_k A_k), ``weights`` ``[N, K]``."""
-    w = weights.reshape(*weights.shape, *([1] * (a.dim() - 2)))
-    return torch.relu((w * a).sum(1))
+    """relu(sum_k w_k A_k), ``weights`` ``[N, K]`` (a batched matrix product)."""
+    summed = torch.bmm(weights.unsqueeze(1), a.flatten(2)).squeeze(1)
+    return torch.relu(summed).view(a.shape[0], *a.shape[2:])
 
 
 def gradcam(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

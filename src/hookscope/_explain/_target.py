@@ -25,15 +25,15 @@ def check_target(target: Any) -> None:
     """Refuse a target of the wrong kind before the model runs."""
     if target is None or callable(target):
         return
-    if isinstance(target, (bool, float)):
-        raise TargetError(_kinds(f"target={target!r} is not an index"))
-    if isinstance(target, numbers.Integral):
-        return
     if isinstance(target, torch.Tensor):
         if target.is_floating_point() or target.is_complex() or target.dim() > 1:
             raise TargetError(
                 _kinds(f"target is a {target.dtype} tensor of shape {list(target.shape)}")
             )
+        return
+    if isinstance(target, (bool, float)):
+        raise TargetError(_kinds(f"target={target!r} is not an index"))
+    if isinstance(target, numbers.Integral):
         return
     if isinstance(target, (list, tuple)) and all(
         isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in target
@@ -55,6 +55,8 @@ def pick(output: Any, target: Any, n: int) -> tuple[torch.Tensor | None, torch.T
     if callable(target):
         return None, scores_of(output, target, n)
     logits = logits_of(output)
+    if isinstance(target, torch.Tensor) and target.dim() == 0:
+        target = int(target)
     if target is None:
         index = logits.argmax(1)
     elif isinstance(target, numbers.Integral):
