@@ -717,3 +717,91 @@ def test_a_thousand_calls_leave_no_hook_and_no_live_tensors() -> None:
     assert now_tensors <= tensors
     assert now_objects - objects < 50
     assert_no_hooks(model)
+
+
+# -- outputs that alias: views changed in place, in-place modules, nested modules ---------------
+
+
+class Patches(nn.Module):
+    """Returns a view of its own conv's output (as Hugging Face ViT's patch embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 4, stride=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).flatten(2).transpose(1, 2)
+
+
+class ViewChangedInPlace(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.patches = Patches()
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.patches(x)
+        t = t.mul_(2).tanh_() if self.inplace else (t * 2).tanh()
+        return self.head(t.mean(1))
+
+
+@pytest.mark.parametrize("method", ["gradcam", "grad_x_act", "integrated_gradients"])
+def test_a_view_changed_in_place_by_the_caller(method: str) -> None:
+    model, twin = ViewChangedInPlace(True), ViewChangedInPlace(False)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 16, 16)
+    a = hs.explain(model, x, "patches", method, steps=8)
+    b = hs.explain(twin, x, "patches", method, steps=8)
+    assert a.layout == "NTC" and a["patches"].shape[:2] == b["patches"].shape[:2]
+    close(a["patches"], b["patches"], 1e-6)
+    (act,), (g,), _ = plain_a_g(twin, x, "patches")
+    if method == "gradcam":
+        to_grid = lambda t: _tokens_to_grid(t, 0, 4, 4)  # noqa: E731
+        close(a["patches"], formula("gradcam", to_grid(act), to_grid(g)))
+
+
+def test_an_in_place_module_and_nested_modules() -> None:
+    model, twin, _ = _twins("vgg")
+    x = torch.randn(2, 3, 16, 16)
+    # features.4 is ReLU(inplace=True): its output is its input, changed
+    a = hs.explain(model, x, "features.4", "hirescam")
+    (act,), (g,), _ = plain_a_g(twin, x, "features.4")
+    close(a["features.4"], formula("hirescam", act, g))
+    # a module and one inside it, in one pass: each as if explained alone
+    both = hs.explain(model, x, ["features", "features.3"], "gradcam")
+    for name in ("features", "features.3"):
+        close(both[name], hs.explain(model, x, name, "gradcam")[name], 1e-6)
+    assert_no_hooks(model)
+
+
+def test_integrated_gradients_per_call_of_a_reused_module() -> None:
+    """Each call gets its own path (Captum refuses layers used twice): call k's attribution
+    equals a hand-written loop that patches that call only."""
+    model = ConvTwice().eval()
+    x = torch.randn(2, 3, 8, 8)
+    exp = hs.explain(model, x, "block", "integrated_gradients", target=1, steps=6)
+    first, second = exp.all("block")
+    assert first.shape == second.shape == (2, 6, 8, 8)
+    outs = []
+    handle = model.block.register_forward_hook(lambda m, i, o: outs.append(o.detach()))
+    with torch.no_grad():
+        model(x)
+        model(torch.zeros_like(x))
+    handle.remove()
+    for call, attribution in enumerate((first, second)):
+        a, a0 = outs[call], outs[2 + call]
+        total = torch.zeros_like(a)
+        for i in range(6):
+            point = (a0 + (i + 0.5) / 6 * (a - a0)).requires_grad_()
+            seen = []
+
+            def patch(m, inputs, out, point=point, seen=seen, call=call):
+                seen.append(1)
+                return point if len(seen) - 1 == call else None
+
+            handle = model.block.register_forward_hook(patch)
+            score = model(x)[:, 1].sum()
+            handle.remove()
+            total += torch.autograd.grad(score, point)[0]
+        close(attribution, (a - a0) * total / 6, 1e-5)

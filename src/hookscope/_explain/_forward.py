@@ -9,8 +9,9 @@ gradient, what the gradient is taken against:
   node that made it, taken when the hook runs: later in-place ops on the output give it a
   new node but leave that edge where it was, so ``torch.autograd.grad(score, edge)`` is the
   gradient with respect to the value the module returned;
-- else (the output is, or shares memory with, one of the module's inputs; or it does not
-  require grad, in a frozen model) a copy ``src = A.clone()`` (a fresh leaf where it does
+- else (the output is, or shares memory with, one of the module's inputs; it is a view,
+  whose in-place change would route the gradient around that node; or it does not require
+  grad, in a frozen model) a copy ``src = A.clone()`` (a fresh leaf where it does
   not require grad) that the model never sees: it goes on with ``src.clone()``.
 
 Either way autograd differentiates down to the module and no further, and makes no
@@ -66,7 +67,7 @@ class _Recorder:
                 )
             return put(value.clone())
         if self.keep_src and torch.is_grad_enabled():
-            if t.grad_fn is not None and not _aliases(t, args, kwargs):
+            if t.grad_fn is not None and t._base is None and not _aliases(t, args, kwargs):
                 # The module made t: the gradient is taken at the edge into the node that
                 # made it, which later in-place ops on t do not move. One copy, A.
                 calls.append((get_gradient_edge(t), t.detach().clone()))
