@@ -142,14 +142,15 @@ def test_capture_keeps_every_forward_call_of_generate() -> None:
         torch.testing.assert_close(record.output, value, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="site.call is 0 in every generate() step: CallClock starts a pass at each root call "
-    "(the lead's hook layer; see the interp report)",
-)
 def test_site_call_counts_the_forward_calls_of_generate() -> None:
     model = model_of("gpt2")
     seen = []
     with hs.intervene(model, {"transformer.h.0": lambda out, site: seen.append(site.call)}):
         generate(model, prompt(), use_cache=True)
     assert seen == list(range(STEPS))
+    seen.clear()
+    with hs.intervene(model, {"transformer.h.0": lambda out, site: seen.append(site.call)}):
+        for _ in range(3):  # one pass per generate() call, however they follow each other
+            generate(model, prompt(), use_cache=True)
+        model(prompt())  # the user's own call: a pass of its own
+    assert seen == [*range(STEPS), *range(STEPS), *range(STEPS), 0]

@@ -61,8 +61,12 @@ class Site:
 class CallClock:
     """Counts calls per module within one forward pass of the root model.
 
-    A pass starts when the root module is called (a pre-hook registered first). When the
-    root is never called (the user calls submodules directly), calls count from the start.
+    A pass starts when the root module is called (a pre-hook registered first), except when
+    one of the root's own methods calls it again and again: a decoding loop such as Hugging
+    Face's ``generate()`` (its prompt, then each new token) is one pass, whose calls are
+    counted across its forwards (``site.call`` 0, 1, 2, ... for a block run once per token).
+    When the root is never called (the user calls submodules directly), calls count from
+    the start.
 
     Activation checkpointing re-runs forward during backward, segment by segment and last
     segment first; reversible layers (Reformer) re-run their parts in their
@@ -88,6 +92,11 @@ class CallClock:
         self._trail: deque[tuple[str, int, int, tuple | None, int, Any]] = deque(maxlen=1 << 16)
         self._task = -1
         self._at: int | None = None  # position in the trail of the last re-run call
+        # The frame of the root's method that is calling it (a decoding loop), held while it
+        # may call again (until a call from elsewhere, or the hooks go): a frame's id is
+        # reused once it is freed, and two generate() calls in a row are two passes.
+        self._loop: Any = None
+        hooks.on_remove(self._forget_loop)
         self._hooks = hooks
         guard_module_hooks(hooks)
         hooks.forward_pre(root, self._root_called, prepend=True)
@@ -96,9 +105,15 @@ class CallClock:
     def _root_called(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         guard_module_hooks(self._hooks)  # compiled since it was attached: guard the hooks
         if not in_backward_recompute():
-            self.pass_ += 1
-            self._calls.clear()
+            loop = _calling_method(module)
+            if loop is None or loop is not self._loop:
+                self.pass_ += 1
+                self._calls.clear()
+            self._loop = loop
             self.root_grad = torch.is_grad_enabled()
+
+    def _forget_loop(self) -> None:
+        self._loop = None
 
     def _root_returned(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not in_backward_recompute():
@@ -163,6 +178,30 @@ class CallClock:
         pass_ = trail[first][1]
         calls = [i for i, e in enumerate(trail) if e[1] == pass_ and e[0] == name]
         return calls[0] if len(calls) == 1 and trail[calls[0]][4] > made else None
+
+
+# Frames of torch's module-call machinery, between a pre-hook and whoever called the module
+_MODULE_FILE = nn.Module.__call__.__code__.co_filename
+
+
+def _calling_method(module: nn.Module) -> Any:
+    """The frame of the outermost running method of ``module`` in the chain of its methods
+    that called it (``generate`` -> ``_sample`` -> ``self(...)``); ``None`` when someone
+    else called it."""
+    if is_compiling():
+        return None
+    frame = sys._getframe(2)  # above this and the pre-hook
+    while frame is not None and frame.f_code.co_filename == _MODULE_FILE:
+        frame = frame.f_back
+    found = None
+    while frame is not None:
+        code = frame.f_code
+        if not (code.co_argcount and code.co_varnames[0] == "self"):
+            break
+        if frame.f_locals.get("self") is not module:
+            break
+        found, frame = frame, frame.f_back
+    return found
 
 
 def _alive(ref: Any) -> bool:

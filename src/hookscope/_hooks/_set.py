@@ -68,6 +68,7 @@ class HookSet:
         self._module_ids: set[int] = set()
         # What this set holds replaced in torch (_patches.use), by what: released with it.
         self._patches: dict[Any, Callable[[], None]] = {}
+        self._on_remove: list[Callable[[], None]] = []
         # Module hooks switched on and off together (``grouped``, ``switch``), by name
         self._groups: dict[str, _Group] = {}
         self._group: _Group | None = None  # where module hooks registered now go
@@ -192,6 +193,10 @@ class HookSet:
         self._keep(_optimizer.register_optimizer_step_post_hook(fn))
 
     # -- lifetime --------------------------------------------------------------------------
+    def on_remove(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` when the set is removed (what a hook holds that must not outlive it)."""
+        self._on_remove.append(fn)
+
     def _keep(self, handle: RemovableHandle) -> None:
         self._handles.append(handle)
 
@@ -209,6 +214,8 @@ class HookSet:
             self._handles.pop().remove()
         self._prune_at = _PRUNE_AT
         _forget_module_hooks(self._module_ids, self._patches)
+        while self._on_remove:
+            self._on_remove.pop()()
 
     def __len__(self) -> int:
         return len(self._handles) + sum(_alive(h) for h in self._tensor_handles)
