@@ -131,11 +131,8 @@ class Capture:
         self._rerun: set[str] = set()
         self._hooks = HookSet("capture")
         self._grads_seen = False
-        try:
+        with self._hooks.attaching():
             self._attach(model)
-        except BaseException:
-            self._hooks.remove()
-            raise
 
     # -- hooks -----------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
@@ -165,8 +162,8 @@ class Capture:
         record = Record(name, self._clock.next(name, args), self._clock.pass_)
         self._open[name].append(record)
         if "input" in self.what:
-            record.input = self._keeper.value(args)
-            record.kwargs = self._keeper.value(kwargs)
+            record.input = self._keeper.value(args, name)
+            record.kwargs = self._keeper.value(kwargs, name)
         if self._grads and not torch.is_grad_enabled():
             key = (name, record._pass, record.call)
             self._no_grad[key] = record
@@ -198,7 +195,7 @@ class Capture:
         if record is None:
             record = Record(name, self._clock.next(name, args), self._clock.pass_)
         if "output" in self.what:
-            record.output = self._keeper.value(output)
+            record.output = self._keeper.value(output, name)
         self._store(name, record)
         if "grad_output" in self.what and torch.is_grad_enabled():
             return self._hook_grad_outputs(record, output, args, kwargs)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ._errors import HookscopeError, StopForward, never_ran_message
-from ._hooks import HookSet, eager_calls, forward_failed, training_mode, uncompiled
+from ._hooks import HookSet, eager_calls, training_mode, uncompiled
 from ._record import Keeper
 from ._select import Where, select
 
@@ -62,9 +62,9 @@ def extract(
     pending = set(chosen)
 
     def keep(name: str, module: nn.Module, args: Any, kw: Any, output: Any) -> None:
-        if forward_failed(output) or name in found:
+        if name in found:
             return
-        found[name] = keeper.value(output)
+        found[name] = keeper.value(output, name)
         pending.discard(name)
         if not pending:
             raise StopForward  # the last chosen module ran: end the pass here

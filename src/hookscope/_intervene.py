@@ -20,7 +20,6 @@ from ._hooks import (
     alias_grad_outputs,
     break_graph_for,
     eager_model,
-    forward_failed,
     in_backward_recompute,
     no_grad_in_model_message,
 )
@@ -106,15 +105,12 @@ class Intervention:
         self._no_grad: set[tuple[str, bool]] = set()
         self._rerun: set[str] = set()
         self._hooks = HookSet("intervene")
-        try:
+        with self._hooks.attaching():
             modules = dict(model.named_modules())
             for name, fns in plan.items():
                 self._attach(name, modules[name], fns)
             # Last, and prepended: the pass starts before any edit of the root runs
             self._clock = CallClock(self._hooks, model)
-        except BaseException:
-            self._hooks.remove()
-            raise
 
     def _attach(self, name: str, module: nn.Module, fns: list[EditFn]) -> None:
         """Edits go before the hooks already there (``prepend``): every reader (capture,
@@ -144,8 +140,6 @@ class Intervention:
     def _edit_output(
         self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> Any:
-        if forward_failed(output):
-            return None
         site = self._site(name, module, args)
         value = output
         for fn in fns:
@@ -171,8 +165,6 @@ class Intervention:
     def _hook_grad_output(
         self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> Any:
-        if forward_failed(output):
-            return None
         if not self._grad_enabled(name):
             return None
         break_graph_for(f"intervene at {self.at!r} of {name!r}", "intervene")

@@ -30,7 +30,7 @@ from .._errors import (
     never_ran_message,
 )
 from .._format import progress_bar
-from .._hooks import HookSet, check_not_compiled, forward_failed, training_mode
+from .._hooks import HookSet, check_not_compiled, training_mode
 from .._select import Where, select
 from .._tree import describe, tensors
 from ._batch import device_of, inputs, to_host
@@ -289,7 +289,7 @@ class _Run:
         held: set[int] = set()
 
         def keep(name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if forward_failed(output) or name in found:
+            if name in found:
                 return
             last = len(found) + 1 == len(names)
             found[name] = to_host(name, output, self.dtype, on_cuda, last, held)

@@ -193,6 +193,17 @@ class HookSet:
         self._keep(_optimizer.register_optimizer_step_post_hook(fn))
 
     # -- lifetime --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def attaching(self) -> Iterator[HookSet]:
+        """Attach in the block: if it raises (a selection that matches nothing, a model the
+        verb refuses), every hook the set holds is removed before the error goes on, and
+        the model is as it was."""
+        try:
+            yield self
+        except BaseException:
+            self.remove()
+            raise
+
     def on_remove(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` when the set is removed (what a hook holds that must not outlive it)."""
         self._on_remove.append(fn)
