@@ -805,3 +805,52 @@ def test_integrated_gradients_per_call_of_a_reused_module() -> None:
             handle.remove()
             total += torch.autograd.grad(score, point)[0]
         close(attribution, (a - a0) * total / 6, 1e-5)
+
+
+class TinyViT(nn.Module):
+    """Patches, a class token and torch's own nn.TransformerEncoder, whose fused fast path
+    (eval, no autograd) computes differently: explain records it with autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = Patches()
+        self.cls = nn.Parameter(torch.randn(1, 1, 6))
+        layer = nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.patches(x)], 1)
+        return self.head(self.encoder(t)[:, 0])
+
+
+def test_torch_transformer_layers_explained_at_their_autograd_values() -> None:
+    model = TinyViT().eval()
+    x = torch.randn(2, 3, 16, 16)
+    where = "encoder.layers.1"
+    exp = hs.explain(model, x, where, "gradcam")
+    assert "1 token then a 4x4 grid" in exp.layout.detail[where]
+    (a,), (g,), _ = plain_a_g(model, x, where)
+    grid = lambda t: _tokens_to_grid(t, 1, 4, 4)  # noqa: E731
+    close(exp[where], formula("gradcam", grid(a), grid(g)))
+
+
+def test_autograd_records_from_the_explained_module_up() -> None:
+    """Below the module nothing is recorded (no saved tensors, a faster forward), except in
+    models holding torch's Transformer layers, whose fused no-autograd path differs (~4e-7)."""
+    for model, below, above, where in (
+        (_twins("resnet")[0], "layer1", "fc", "layer2"),
+        (TinyViT(), "encoder.layers.0", "head", "encoder.layers.1"),
+    ):
+        seen: dict[str, bool] = {}
+        modules = dict(model.named_modules())
+        for name in (below, above):
+
+            def note(m, i, o, name=name, seen=seen) -> None:
+                seen.setdefault(name, torch.is_grad_enabled())
+
+            modules[name].register_forward_hook(note)
+        with torch.no_grad():
+            hs.explain(model, torch.randn(2, 3, 16, 16), where)
+        assert seen == {below: isinstance(model, TinyViT), above: True}
+    assert torch.is_grad_enabled()  # the mode the test runs in, back after each call

@@ -23,6 +23,7 @@ points on the path of integrated gradients).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +37,7 @@ from .._hooks import HookSet
 from .._tree import map_tensors, tensors
 from ._inputs import Inputs
 
-__all__ = ["Call", "record"]
+__all__ = ["Call", "grad_mode_free", "record"]
 
 # One call of an explained module: (src, A). src (a tensor, or the gradient edge into the node
 # that made the output) is None where no gradient is taken.
@@ -45,15 +46,22 @@ Call = tuple["torch.Tensor | GradientEdge | None", "torch.Tensor"]
 
 class _Recorder:
     def __init__(
-        self, names: list[str], keep_src: bool, patch: tuple[str, int, torch.Tensor] | None
+        self,
+        names: list[str],
+        keep_src: bool,
+        patch: tuple[str, int, torch.Tensor] | None,
+        switch: bool,
     ) -> None:
         self.calls: dict[str, list[Call]] = {name: [] for name in names}
         self.keep_src = keep_src
         self.patch = patch
+        self.switch = switch  # turn autograd on here (the pass started without it)
 
     def hook(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         t, put = _first_tensor(name, output)
         calls = self.calls[name]
+        if self.switch:
+            torch.set_grad_enabled(True)
         if self.patch is not None:
             patched, call, value = self.patch
             calls.append((None, t.detach()))  # counted only
@@ -86,18 +94,40 @@ def record(
     *,
     keep_src: bool,
     patch: tuple[str, int, torch.Tensor] | None = None,
+    from_module: bool = False,
 ) -> tuple[dict[str, list[Call]], Any]:
     """Run ``model`` on ``inputs`` once: every call of ``modules`` and the model's output.
+
+    ``from_module``: autograd records nothing until the first explained module has run (its
+    hook turns it on): the layers below keep no tensors for a backward that never reaches
+    them, and run faster. Grad mode is what it was when the pass ends.
 
     The hooks are removed when the pass ends (also when it raised); what autograd recorded
     stays, for ``torch.autograd.grad`` on the calls' ``src``.
     """
-    recorder = _Recorder(list(modules), keep_src, patch)
+    recorder = _Recorder(list(modules), keep_src, patch, switch=from_module)
     with HookSet("explain") as hooks:
         for name, module in modules.items():
             hooks.forward(module, functools.partial(recorder.hook, name))
-        output = inputs.call(model)
+        with torch.no_grad() if from_module else contextlib.nullcontext():
+            output = inputs.call(model)
     return recorder.calls, output
+
+
+# torch modules whose forward takes another path without autograd (the fused "fast path" of
+# nn.MultiheadAttention and the Transformer layers): their values would differ, so a model
+# holding one records from its first layer.
+_GRAD_MODE_PATHS = (
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.TransformerEncoder,
+)
+
+
+def grad_mode_free(model: nn.Module) -> bool:
+    """Whether ``model``'s values do not depend on grad mode (``from_module`` is safe)."""
+    return not any(isinstance(m, _GRAD_MODE_PATHS) for m in model.modules())
 
 
 def _aliases(t: torch.Tensor, args: Any, kwargs: Any) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._errors import ExplainError
-from ._forward import Call, record
+from ._forward import Call, grad_mode_free, record
 from ._inputs import Inputs
 from ._methods import channel_masks
 from ._target import scores_of
@@ -72,6 +72,7 @@ def integrated_gradients(
         base, _ = record(model, base_inputs, modules, keep_src=False)
     n = inputs.n
     per = max(1, batch_size // max(n, 1))
+    from_module = grad_mode_free(model)
     result: dict[str, list[torch.Tensor]] = {}
     for name, calls in clean.items():
         result[name] = []
@@ -87,7 +88,15 @@ def integrated_gradients(
                     f"needs the batch ({n} samples) first."
                 )
             mean_grad = _mean_gradient(
-                model, inputs, name, modules[name], call, a, base[name][call][1], target, steps, per
+                model,
+                inputs,
+                (name, modules[name], call),
+                a,
+                base[name][call][1],
+                target,
+                steps,
+                per,
+                from_module,
             )
             result[name].append((a - base[name][call][1]).float() * mean_grad)
     return result
@@ -96,15 +105,15 @@ def integrated_gradients(
 def _mean_gradient(
     model: nn.Module,
     inputs: Inputs,
-    name: str,
-    module: nn.Module,
-    call: int,
+    where: tuple[str, nn.Module, int],
     a: torch.Tensor,
     a0: torch.Tensor,
     target: Any,
     steps: int,
     per: int,
+    from_module: bool,
 ) -> torch.Tensor:
+    name, module, call = where
     n = a.shape[0]
     alphas = (torch.arange(steps, dtype=torch.float64) + 0.5) / steps
     total = torch.zeros(a.shape, dtype=torch.float32, device=a.device)
@@ -115,7 +124,12 @@ def _mean_gradient(
         src = path.detach().requires_grad_()
         with torch.enable_grad():
             _, output = record(
-                model, inputs.repeat(c), {name: module}, keep_src=False, patch=(name, call, src)
+                model,
+                inputs.repeat(c),
+                {name: module},
+                keep_src=False,
+                patch=(name, call, src),
+                from_module=from_module,
             )
             chosen = target if callable(target) else target.repeat(c)
             score = scores_of(output, chosen, c * n)

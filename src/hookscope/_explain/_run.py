@@ -17,7 +17,7 @@ from torch import nn
 
 from .._errors import ExplainError, LayoutError, did_you_mean, never_ran_message
 from .._hooks import eager_calls, uncompiled
-from ._forward import Call, record
+from ._forward import Call, grad_mode_free, record
 from ._inputs import Inputs
 from ._layout import Layout, find_layout
 from ._methods import ATTRIBUTIONS, CAMS, METHODS, cam, eigencam, score_weights
@@ -78,8 +78,11 @@ def explain_batch(
     model = uncompiled(model)
     grads = method in CAMS or method == "grad_x_act"
     with untouched(model, train), eager_calls(), torch.inference_mode(False):
+        prefix = grad_mode_free(model)
         with torch.set_grad_enabled(grads):
-            calls, output = record(model, inputs, modules, keep_src=grads)
+            calls, output = record(
+                model, inputs, modules, keep_src=grads, from_module=grads and prefix
+            )
             index, score = pick(output, target, inputs.n)
         del output
         missing = [name for name, c in calls.items() if not c]
