@@ -39,9 +39,11 @@ class Site:
     Attributes:
         name: Qualified name of the module.
         module: The module itself.
-        call: Index of this call among the module's calls in the current forward pass. When
-            activation checkpointing re-runs the forward during backward, the index of the
-            first-pass call being repeated (``-1`` in the rare case it cannot be told).
+        call: Index of this call among the module's calls in the current forward pass (a
+            ``generate()`` call, or any loop of the model's own methods calling it, is one
+            pass: its prompt is call 0 of a block, each new token the next). When activation
+            checkpointing re-runs the forward during backward, the index of the first-pass
+            call being repeated (``-1`` in the rare case it cannot be told).
         at: ``"input"``, ``"output"``, ``"grad_input"`` or ``"grad_output"``.
         index: For gradient sites, which tensor (position in ``grad_input`` / ``grad_output``)
             the gradient belongs to; ``None`` otherwise.
