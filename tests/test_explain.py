@@ -587,6 +587,9 @@ def test_vit_class_token_grid_is_found_without_a_reshape() -> None:
     close(exp[where], formula("gradcam", a, _tokens_to_grid(g, 1, 4, 4)))
     assert exp.heatmap(where).shape == (2, 32, 32)
     assert all(p.grad is None for p in model.parameters())
+    by_keyword = hs.explain(model, (), where, forward_kwargs={"pixel_values": x})
+    assert torch.equal(by_keyword[where], exp[where])
+    assert by_keyword.heatmap(where).shape == (2, 32, 32)
 
 
 def test_vit_model_without_logits_with_a_callable_target() -> None:

@@ -177,3 +177,19 @@ def test_metrics_equal_a_hand_computation() -> None:
         "deletion",
         "insertion",
     }
+
+
+def test_metrics_of_a_callable_target_use_its_scores() -> None:
+    """A callable target's metrics read the callable's scores (here a logit), not a softmax."""
+    model = cnn()
+    x = torch.rand(2, 3, 8, 8)
+    by_index = hs.explain(model, x, "4", target=1)
+    by_fn = hs.explain(model, x, "4", target=lambda out: out[:, 1])
+    torch.testing.assert_close(by_fn.heatmap("4"), by_index.heatmap("4"))
+    m = by_fn.metrics(model, steps=4)
+    with torch.no_grad():
+        logit, at_zero = model(x)[:, 1], model(torch.zeros_like(x))[:, 1]
+        masked = model(x * by_fn.heatmap("4")[:, None])[:, 1]
+    torch.testing.assert_close(m.per_sample["deletion_curve"][:, 0], logit)
+    torch.testing.assert_close(m.per_sample["deletion_curve"][:, -1], at_zero)
+    torch.testing.assert_close(m.per_sample["increase"], (masked > logit).float())
