@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import sys
 import threading
 
 import pytest
@@ -105,7 +106,8 @@ def test_everything_replaced_is_torchs_own_again_after_any_order_of_users(
     opened = [opener(kind.rstrip("2"), model) for kind in order]
     for user in opened:
         user.__enter__()
-    train(model, mon=next(u for u in opened if isinstance(u, hs.Monitor)))
+    # the second Monitor replaced (closed) the first: one open Monitor per model
+    train(model, mon=next(u for u in reversed(opened) if isinstance(u, hs.Monitor)))
     for user in opened if close == "fifo" else reversed(opened):
         user.__exit__(None, None, None)
     assert_torch_is_torchs()
@@ -115,17 +117,17 @@ def test_everything_replaced_is_torchs_own_again_after_any_order_of_users(
 def test_two_monitors_measure_attention_and_leave_sdpa_torchs_own() -> None:
     """The leak of the third round: A saved torch's SDPA, B saved A's wrapper, A restored
     torch's, B restored A's: torch's functions stayed hookscope's for good."""
-    model = attention_model()
-    first, second = hs.Monitor(model, every=1), hs.Monitor(model, every=1)
+    models = [attention_model(), attention_model()]  # one open Monitor per model
+    first, second = hs.Monitor(models[0], every=1), hs.Monitor(models[1], every=1)
     with first:
         with second:
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            for _ in range(2):
-                model(torch.randn(2, 5, 8)).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-                first.step()
-                second.step()
+            for model, mon in zip(models, (first, second), strict=True):
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                for _ in range(2):
+                    model(torch.randn(2, 5, 8)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    mon.step()
         assert F.scaled_dot_product_attention is not ORIGINALS[F, "scaled_dot_product_attention"]
     assert_torch_is_torchs()
     for mon in (first, second):
@@ -429,3 +431,59 @@ def test_gradients_inside_a_full_graph_are_refused_with_hookscopes_reason(verb: 
     for p, q in zip(net.parameters(), twin.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad)
     assert_torch_is_torchs()
+
+
+# -- under hookscope watch -----------------------------------------------------------------------
+
+WATCHED = """
+import torch, torch.nn as nn, torch.nn.functional as F
+import hookscope as hs
+from hookscope._hooks import patched
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+teacher = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))  # frozen: not watch's
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+held = None
+for step in range(6):
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    if step == 2:  # watch's Monitor is attached by now: what it holds, before ours
+        held = sorted((getattr(o, "__name__", "?"), n, u) for o, n, u in patched())
+        mine = hs.Monitor(teacher, every=1)
+        cap = hs.capture(model, "0")
+        edit = hs.intervene(model, "1", lambda out, site: out * 1.0)
+        cap.__enter__(), edit.__enter__()
+    with torch.no_grad():
+        soft = teacher(x).softmax(-1)
+    loss = F.cross_entropy(model(x), soft)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if step == 2:
+        mine.step(loss=1.0)
+        edit.__exit__(None, None, None)
+        cap.__exit__(None, None, None)
+        mine.close()
+        after = sorted((getattr(o, "__name__", "?"), n, u) for o, n, u in patched())
+        assert after == held, (held, after)
+        assert held, "watch's Monitor holds its wrappers"
+print("ok")
+"""
+
+
+def test_a_scripts_own_monitor_and_capture_under_watch_give_back_only_what_they_took(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    import json
+
+    from hookscope._cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text(WATCHED, encoding="utf-8")
+    out = tmp_path / "out"
+    assert (
+        main(["watch", "--out", str(out), "--every", "1", "--", sys.executable, str(script)]) == 0
+    )
+    lines = (out / "hookscope.jsonl").read_text(encoding="utf-8").splitlines()
+    steps = [r for r in map(json.loads, lines) if r.get("type") == "step"]
+    assert len(steps) == 6  # watch's own Monitor saw every step, before and after ours
