@@ -545,6 +545,15 @@ def test_ambiguous_layouts_are_refused_naming_layout() -> None:
     with pytest.raises(hs.LayoutError, match="layout='NCHW' or layout='NHWC'"):
         hs.explain(model, x, "block")
     assert hs.explain(model, x, "conv").layout == "NCHW"  # a conv says
+    # in an nn.Sequential, an elementwise module reads as the module before it
+    seq = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=4, padding=1),
+        nn.ReLU(),
+        nn.Dropout(),
+        nn.Flatten(),
+        nn.Linear(512, 2),
+    )
+    assert hs.explain(seq, x, "2").layout == "NCHW"
     forced = hs.explain(model, x, "block", layout="NCHW")
     close(forced["block"], hs.explain(model, x, "conv")["conv"], 1e-6)
     with pytest.raises(hs.LayoutError, match="layout='NTC' does not fit"):

@@ -18,7 +18,7 @@ from torch import nn
 
 from .._errors import LayoutError
 
-__all__ = ["LAYOUTS", "Layout", "find_layout"]
+__all__ = ["LAYOUTS", "Layout", "find_layout", "previous_in_sequential"]
 
 LAYOUTS = ("NCHW", "NHWC", "NTC")
 
@@ -91,10 +91,12 @@ def find_layout(
     shape: tuple[int, ...],
     image: tuple[int, ...] | None,
     layout: str,
+    before: list[nn.Module] | None = None,
 ) -> Layout:
     """The layout of ``module``'s output of ``shape``; ``image`` is the input's spatial size
     when the input is an image (it gives the grid's aspect ratio), ``layout`` what the user
-    asked for (``"auto"`` or one of :data:`LAYOUTS`)."""
+    asked for (``"auto"`` or one of :data:`LAYOUTS`); ``before``: the modules before it in
+    its parent ``nn.Sequential``, nearest first (they decide for an elementwise module)."""
     if layout != "auto" and layout not in LAYOUTS:
         raise LayoutError(
             f"layout={layout!r} is not a layout; choose 'auto' or one of {', '.join(LAYOUTS)}"
@@ -117,7 +119,7 @@ def find_layout(
             )
         return chosen[0]
     if len(fits) > 1:
-        fits = _settle(fits, module) or fits
+        fits = _settle(fits, [module, *(before or [])]) or fits
     if len(fits) == 1:
         return fits[0]
     if not fits:
@@ -173,14 +175,31 @@ def _token_grid(tokens: int, image: tuple[int, ...] | None) -> tuple[int, int] |
     return None
 
 
-def _settle(fits: list[Layout], module: nn.Module) -> list[Layout]:
+def _settle(fits: list[Layout], chain: list[nn.Module]) -> list[Layout]:
     """Of several readings, those the module's kind allows (a conv's output is channels
     first; a Linear's or LayerNorm's has its channels last). An ``nn.Sequential`` returns
-    its last child's output: that child decides, through elementwise ones (ReLU, Dropout)."""
-    kind = _kind(module)
-    if kind is None:
+    its last child's output: that child decides; an elementwise module (ReLU, Dropout) keeps
+    the layout of the module before it in ``chain``."""
+    for module in chain:
+        kind = _kind(module)
+        if kind is not None:
+            return [f for f in fits if (f.kind == "NCHW") == (kind == "first")]
+        if not isinstance(module, _ELEMENTWISE):
+            return []
+    return []
+
+
+def previous_in_sequential(model: nn.Module, name: str) -> list[nn.Module]:
+    """The modules before ``name`` in its parent, nearest first, when the parent is an
+    ``nn.Sequential`` (each one's output is the next one's input); else ``[]``."""
+    if not name:
         return []
-    return [f for f in fits if (f.kind == "NCHW") == (kind == "first")]
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if type(parent) is not nn.Sequential:
+        return []
+    names = list(parent._modules)
+    return [parent._modules[n] for n in reversed(names[: names.index(child)])]  # type: ignore[misc]
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -189,9 +208,8 @@ def _kind(module: nn.Module) -> str | None:
     if isinstance(module, _CHANNELS_LAST):
         return "last"
     if type(module) is nn.Sequential:
-        for child in reversed(list(module.children())):
-            if not isinstance(child, _ELEMENTWISE):
-                return _kind(child)
+        last = [c for c in module.children() if not isinstance(c, _ELEMENTWISE)]
+        return _kind(last[-1]) if last else None
     return None
 
 

@@ -19,7 +19,7 @@ from .._errors import ExplainError, LayoutError, did_you_mean, never_ran_message
 from .._hooks import eager_calls, uncompiled
 from ._forward import Call, grad_mode_free, record
 from ._inputs import Inputs
-from ._layout import Layout, find_layout
+from ._layout import Layout, find_layout, previous_in_sequential
 from ._methods import ATTRIBUTIONS, CAMS, METHODS, cam, eigencam, score_weights
 from ._rerun import integrated_gradients, masked_scores, unused_message
 from ._state import untouched
@@ -90,7 +90,7 @@ def explain_batch(
         if not calls:
             raise ExplainError("explain: " + never_ran_message(missing))
         layouts = _layouts(
-            calls, modules, inputs.image_size, layout, strict=method not in ATTRIBUTIONS
+            model, calls, modules, inputs.image_size, layout, strict=method not in ATTRIBUTIONS
         )
         chosen = target if callable(target) else index
         if grads:
@@ -134,6 +134,7 @@ def _grid(layout: Layout | LayoutError, a: torch.Tensor) -> torch.Tensor:
 
 
 def _layouts(
+    model: nn.Module,
     calls: dict[str, list[Call]],
     modules: dict[str, nn.Module],
     image: tuple[int, ...] | None,
@@ -144,10 +145,13 @@ def _layouts(
     found: dict[str, list[Layout | LayoutError]] = {}
     for name, c in calls.items():
         asked = layout.get(name, "auto") if isinstance(layout, dict) else layout
+        before = previous_in_sequential(model, name)
         found[name] = []
         for _, a in c:
             try:
-                found[name].append(find_layout(name, modules[name], tuple(a.shape), image, asked))
+                found[name].append(
+                    find_layout(name, modules[name], tuple(a.shape), image, asked, before)
+                )
             except LayoutError as error:
                 if strict:
                     raise
