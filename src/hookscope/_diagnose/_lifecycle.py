@@ -3,10 +3,13 @@
 A finding is reported once per kind and module. One made by the diagnosis's rules stays
 current while its condition holds; when the condition has failed for the rule's span it is
 handed back with ``cleared_at`` set, and its kind and module can be reported again after.
+Only steps that could judge it count towards that: values turned NaN/Inf, or no longer
+logged, clear nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from ._finding import Finding
@@ -49,15 +52,24 @@ class Lifecycle:
         done, self._cleared = self._cleared, []
         return done
 
-    def track(self, step: int, made: list[Finding], family: str) -> None:
+    def track(
+        self,
+        step: int,
+        made: list[Finding],
+        family: str,
+        judged: Callable[[str], bool] | None = None,
+    ) -> None:
         """Note the keys ``made`` at ``step`` by one family of rules, and clear the current
-        findings of that family whose condition failed for their span."""
+        findings of that family whose condition failed for their span. ``judged(module)``:
+        whether this step could tell anything of that module's findings; a step where its
+        values were NaN/Inf, or not logged, neither holds a finding nor clears it (weights
+        that turned NaN are no recovery)."""
         here = {(f.kind, f.module) for f in made}
         for key in here:
             self._made[key] = (family, self._span(key[0], family))
         for key, finding in list(self._current.items()):
             fam, span = self._made[key]
-            if fam != family:
+            if fam != family or (key not in here and judged is not None and not judged(key[1])):
                 continue
             run = self._gone.setdefault(key, Run())
             run.see(step, key not in here)

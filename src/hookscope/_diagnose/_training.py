@@ -25,16 +25,27 @@ class Training:
         self.last_step = -1
         self.updated = 0  # training steps with an optimizer update so far
         self.warming = False  # a learning rate rose at this step
-        self.loss, self.norm = Growth(), Growth()
+        self.loss, self.norm, self.total = Growth(), Growth(), Growth()
+        self.judged = True  # the latest step's loss or gradient norm could be judged
         self._lrs: dict[str, float] = {}
         self._diverging = Run()
+        # the module the ongoing divergence was first reported on: one finding per
+        # divergence, not one per module that holds the largest gradient at a later step
+        self._blamed: str | None = None
 
     def see(
-        self, step: int, scalars: dict[str, float], updates: int, suspect: str
+        self,
+        step: int,
+        scalars: dict[str, float],
+        updates: int,
+        suspect: str,
+        *,
+        grad_total: float | None = None,
     ) -> list[Finding]:
         """Findings from the scalars of a training step later than any seen. ``updates``: the
         optimizer updates applied in it; ``suspect``: the module with the largest gradient for
-        its weight at the last sampled step (``""`` when none)."""
+        its weight at the last sampled step (``""`` when none); ``grad_total``: the L2 norm of
+        all the step's gradients (see :meth:`_divergence`)."""
         self.last_step = step
         self.updated += updates > 0
         # A warm-up raises the learning rate by at most about x2 a step (a linear one from
@@ -47,7 +58,7 @@ class Training:
         ]
         self.warming = bool(rising)
         self._lrs.update(_lrs(scalars))
-        return self._divergence(step, scalars, suspect)
+        return self._divergence(step, scalars, suspect, grad_total)
 
     def loss_rose(self) -> bool:
         """The loss is at least halfway (in orders of magnitude) to a divergence: gradients
@@ -62,14 +73,35 @@ class Training:
         first, now = self.loss.first, self.loss.latest
         return first is None or now is None or now <= first
 
-    def _divergence(self, step: int, scalars: dict[str, float], suspect: str) -> list[Finding]:
+    def _divergence(
+        self, step: int, scalars: dict[str, float], suspect: str, grad_total: float | None
+    ) -> list[Finding]:
+        """Where the loss has no scale (it has been <= 0: a log-likelihood that can fall
+        without bound, a policy gradient) or is not known, the gradients alone judge: the
+        clipped norm ``grad_norm``, else ``grad_total`` at ``explode_growth`` squared (a
+        gradient 1e6 times its lowest: no healthy run's noise, but a loss on its way to
+        -inf)."""
         t = self.t
         loss, norm = scalars.get("loss"), scalars.get("grad_norm")
         loss_grew = self.loss.see(loss, t.explode_growth)
-        norm_grew = self.norm.see(norm, t.explode_growth)
-        falling = self.loss.first is not None and loss is not None and loss < self.loss.first
-        grew = max(loss_grew or 0.0, 0.0 if falling else norm_grew or 0.0)
-        if loss_grew is None and (norm_grew is None or falling):
+        unscaled = loss is None or not self.loss.judged
+        growth, label = self.norm, "the gradient norm before clipping"
+        if norm is None and unscaled and grad_total is not None:
+            norm, growth, label = grad_total, self.total, "the gradients' total L2 norm"
+        norm_grew = growth.see(norm, t.explode_growth)
+        # judged at explode_growth squared where the loss cannot tell
+        norm_score = (
+            norm_grew / t.explode_growth if growth is self.total and norm_grew else norm_grew
+        )
+        falling = (
+            self.loss.judged
+            and self.loss.first is not None
+            and loss is not None
+            and loss < self.loss.first
+        )
+        grew = max(loss_grew or 0.0, 0.0 if falling else norm_score or 0.0)
+        self.judged = not (loss_grew is None and (norm_grew is None or falling))
+        if not self.judged:
             return []  # nothing to judge at this step
         worse = (  # far worse than the untrained model it started as
             loss_grew is not None
@@ -77,8 +109,12 @@ class Training:
             and loss_grew >= t.explode_growth / 10
         )
         self._diverging.see(step, grew >= t.explode_growth or worse)
+        if not self._diverging.state:
+            self._blamed = None
         if not (self._diverging.state and self._diverging.lasted(t.diverge_span)):
             return []
+        if self._blamed is None:
+            self._blamed = suspect
         what = []
         if loss_grew is not None:
             what.append(
@@ -86,11 +122,8 @@ class Training:
                 f"to {loss:.3g}"
             )
         if norm_grew is not None:
-            what.append(
-                f"the gradient norm before clipping is {norm:.3g} (x{norm_grew:.3g} its lowest, "
-                f"{self.norm.low:.3g})"
-            )
-        return [_diverges(step, self._diverging.since, grew, what, suspect)]
+            what.append(f"{label} is {norm:.3g} (x{norm_grew:.3g} its lowest, {growth.low:.3g})")
+        return [_diverges(step, self._diverging.since, grew, what, self._blamed)]
 
 
 def _diverges(step: int, since: int, grew: float, what: list[str], suspect: str) -> Finding:

@@ -324,7 +324,12 @@ class Monitor:
         record, host, info = self._measure(s, scalars)
         scale = record.scalars.get("grad_scale")
         found, poisoned = self._decision.at_step(s, host, info, step, self.findings, scale)
-        found += self._diagnosis.training_step(step, record.scalars, updates=s.updates - s.skipped)
+        found += self._diagnosis.training_step(
+            step,
+            record.scalars,
+            updates=s.updates - s.skipped,
+            grad_total=self._probes.spikes.total(host),
+        )
         if s.sampled:
             self.graph = s.graph()
             found += self._diagnosis.sampled(step, record, self.graph)

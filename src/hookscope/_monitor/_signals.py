@@ -46,6 +46,7 @@ __all__ = ["Rolling", "SkipList", "Spike", "SpikeWatch", "WeightNorms", "group_o
 # MAD x 1.4826 estimates the standard deviation of normal data.
 MAD_TO_STD = 1.4826
 WEIGHT_SAMPLE = 4096  # weights read per parameter and step by WeightNorms
+LEAD_GAP = 2  # a group's departure may end this many steps before the spike and still lead
 
 
 def group_of(param: str) -> str:
@@ -68,18 +69,34 @@ class Rolling:
     loss is skewed to the right (in plain units its common 3x batches would be outliers).
     """
 
-    def __init__(self, k: float, rel: float, min_history: int) -> None:
+    def __init__(
+        self,
+        k: float,
+        rel: float,
+        min_history: int,
+        *,
+        jump: float | None = None,
+        jump_k: float = 12.0,
+        recent: int = 5,
+    ) -> None:
         self.k, self.rel, self.min_history = k, rel, min_history
+        self.jump, self.jump_k, self.recent = jump, jump_k, recent
 
     def score(self, history: Iterable[float], value: float) -> float | None:
         """How far ``value`` lies above the median of ``history``, in units of the allowed
         excess ``max(k * noise, rel * |median|)`` (in logarithms: ``log(1 + rel)``), where
         ``noise = 1.4826 * MAD(changes) / sqrt(2)`` estimates the standard deviation of
-        normal noise; above 1: out of range; ``None`` with too little finite history."""
+        normal noise; above 1: out of range; ``None`` with too little finite history.
+
+        With ``jump`` (positive values only), also how far it lies above the median of the
+        last ``recent`` values, in units of ``max(jump_k * noise, log(jump))``; the larger score
+        counts. A run still falling fast never rises above its long median, but a jump to
+        several times its last values is out of range all the same."""
         past = [v for v in history if math.isfinite(v)]
         if len(past) < self.min_history or not math.isfinite(value):
             return None
-        if value > 0 and min(past) > 0:
+        logs = value > 0 and min(past) > 0
+        if logs:
             past, value = [math.log(v) for v in past], math.log(value)
             floor = math.log1p(self.rel)
         else:
@@ -89,7 +106,11 @@ class Rolling:
         middle = _median(changes)
         noise = MAD_TO_STD * _median([abs(c - middle) for c in changes]) / math.sqrt(2)
         floor = self.rel * abs(median) if floor is None else floor
-        return (value - median) / max(self.k * noise, floor, 1e-12)
+        score = (value - median) / max(self.k * noise, floor, 1e-12)
+        if logs and self.jump is not None:
+            recent = _median(past[-self.recent :])
+            score = max(score, (value - recent) / max(self.jump_k * noise, math.log(self.jump)))
+        return score
 
 
 class WeightNorms:
@@ -184,7 +205,16 @@ class SpikeWatch:
         self._weights = WeightNorms(params)
         self.n = thresholds.spike_window
         self.lead_max = thresholds.spike_lead
-        self.rule = Rolling(thresholds.spike_k, thresholds.spike_rel, thresholds.spike_min_history)
+        t = thresholds
+        self.rule = Rolling(t.spike_k, t.spike_rel, t.spike_min_history)
+        self.loss_rule = Rolling(
+            t.spike_k,
+            t.spike_rel,
+            t.spike_min_history,
+            jump=t.spike_jump,
+            jump_k=t.spike_jump_k,
+            recent=t.spike_recent,
+        )
         self._rows: deque[_Row] = deque(maxlen=self.n + self.lead_max + 1)
         self._losses: deque[float] = deque(maxlen=self.n)
         # this step's parameter -> (flag index, group): a gradient read again (a closure
@@ -202,6 +232,12 @@ class SpikeWatch:
         """Before an update: measure the weights the step's forward used."""
         self._weights.measure(buf)
 
+    def total(self, host: Host) -> float | None:
+        """The L2 norm of every gradient read this step (``None`` when none was)."""
+        values = [host.get(("flag", index)) for index, _ in self._flags.values()]
+        squares = [v[0] ** 2 for v in values if v is not None]
+        return math.sqrt(sum(squares)) if squares else None
+
     def observe(self, step: int, scalars: dict[str, float], host: Host) -> Spike | None:
         """Add one step to the window; the spike that starts at it, if any."""
         squares: dict[str, float] = {}
@@ -212,7 +248,7 @@ class SpikeWatch:
         grads = {group: math.sqrt(square) for group, square in squares.items()}
         self._flags = {}
         loss = scalars.get("loss")
-        score = None if loss is None else self.rule.score(self._losses, loss)
+        score = None if loss is None else self.loss_rule.score(self._losses, loss)
         self._rows.append(_Row(step, dict(scalars), grads, self._weights.read(host)))
         if loss is not None:
             self._losses.append(loss)
@@ -240,29 +276,48 @@ class SpikeWatch:
                     else "at the same step (the batch itself, or the update just before it)"
                 )
                 where = f"the {what} of {module!r} left its own rolling range first, {when}"
+        ranged = self.rule.score(before, loss)
+        if ranged is not None and ranged > 1.0:
+            against = (
+                f"above its rolling range (median {median:.4g} of the last {len(before)} steps"
+            )
+        else:  # the jump over the last losses: a run still falling fast
+            recent = _median(before[-self.loss_rule.recent :])
+            against = (
+                f"{loss / recent:.3g}x the median of the {min(len(before), self.loss_rule.recent)}"
+                f" losses before it ({recent:.4g}) while the loss was still falling (median "
+                f"{median:.4g} of the last {len(before)} steps"
+            )
         message = (
-            f"the loss jumped to {loss:.4g}, above its rolling range (median {median:.4g} of "
-            f"the last {len(before)} steps; {score:.1f}x the allowed excess) at step {step}; "
-            f"{where}{rose}"
+            f"the loss jumped to {loss:.4g}, {against}; {score:.1f}x the allowed excess) at "
+            f"step {step}; {where}{rose}"
         )
         finding = Finding("loss_spike", module, step, loss, message)
         return Spike(finding, self._window(step, rows))
 
     def _leader(self, rows: list[_Row], *, weights: bool) -> tuple[str, int, str] | None:
-        """The group whose gradient norm, or the change of whose weight norm, first left its
-        own range in the ``spike_lead`` steps up to the spike (the largest excess breaks
-        ties): ``(group, that step, which)``. A group need not stay out of range: a block
-        whose update blew up may go quiet after. Weights are left out when a learning rate
-        rose (every group's weights then change at once)."""
+        """The group whose gradient norm, or the change of whose weight norm, left its own
+        range first in the ``spike_lead`` steps up to the spike (the largest excess breaks
+        ties): ``(group, that step, which)``. Only a departure that lasts into the spike
+        counts, or that ended at most ``LEAD_GAP`` steps before it (a block whose update blew
+        up may go quiet after): its lead runs from the first step of its run of
+        out-of-range steps. An excursion long gone (a fast-falling run's early steps, its
+        norms drifting out of their range and back) leads nothing. Weights are left out
+        when a learning rate rose (every group's weights then change at once)."""
         best: tuple[int, float, str, str] | None = None
+        last = len(rows) - 1
         for what, series in self._series(rows, weights=weights):
             for group, values in series.items():
-                for i in range(max(0, len(rows) - 1 - self.lead_max), len(rows)):
-                    score = self.rule.score(values[max(0, i - self.n) : i], values[i])
+                run: list[tuple[int, float]] = []  # (row, score) of the latest run
+                for i in range(max(0, last - self.lead_max), last + 1):
+                    score = self.loss_rule.score(values[max(0, i - self.n) : i], values[i])
                     if score is not None and score > 1.0:
-                        if best is None or (rows[i].step, -score) < best[:2]:
-                            best = (rows[i].step, -score, group, what)
-                        break
+                        run = [*run, (i, score)] if run and run[-1][0] == i - 1 else [(i, score)]
+                if not run or last - run[-1][0] > LEAD_GAP:
+                    continue
+                i, score = run[0]
+                if best is None or (rows[i].step, -score) < best[:2]:
+                    best = (rows[i].step, -score, group, what)
         return None if best is None else (best[2], best[0], best[3])
 
     @staticmethod

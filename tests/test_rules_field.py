@@ -1,0 +1,256 @@
+"""Rules judged on runs they were not tuned on: converging fast, plateaued, other optimizers
+and sizes, each fault beside a healthy twin that must stay silent (issue 31)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+from hookscope._diagnose import Thresholds
+from hookscope._monitor._signals import Rolling, SpikeWatch, _Row
+
+sys.path.insert(0, str(Path(__file__).parent))
+import models
+
+
+def kinds(mon: hs.Monitor, kind: str) -> list[hs.Finding]:
+    return [f for f in mon.findings if f.kind == kind]
+
+
+# -- loss spikes while the loss still falls fast -------------------------------------------
+
+
+def perm_run(*, every: int | None, bad_at: int | None, steps: int = 60) -> list[float]:
+    """A small GPT-2 learning a fixed permutation of 100 tokens (each token's successor):
+    AdamW at 3e-3, no warm-up; the loss falls from 4.6 to ~0.2 by step 50 and keeps falling.
+    At ``bad_at``, 2 of the 16 sequences are random tokens."""
+    torch.manual_seed(0)
+    model = models.gpt2(3).train()
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(100, generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    with hs.Monitor(model, every=every) as mon:
+        for step in range(steps):
+            ids = torch.empty(16, 32, dtype=torch.long)
+            ids[:, 0] = torch.randint(0, 100, (16,), generator=g)
+            for t in range(1, 32):
+                ids[:, t] = perm[ids[:, t - 1]]
+            if step == bad_at:
+                ids[:2] = torch.randint(0, 100, (2, 32), generator=g)
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+            losses.append(loss.item())
+    return losses, mon
+
+
+@pytest.mark.parametrize("every", [None, 10])
+def test_a_spike_while_the_loss_still_falls_fast_is_found_whatever_every(every) -> None:
+    losses, mon = perm_run(every=every, bad_at=54)
+    # plain torch: 7x the loss before it, below the median of the last 50 (a falling run)
+    assert losses[54] > 5 * losses[53]
+    assert Rolling(6.0, 0.05, 20).score(losses[4:54], losses[54]) < 1  # the median's rule
+    (spike,) = kinds(mon, "loss_spike")
+    assert spike.step == 54
+    assert "x the median of the 5 losses before it" in spike.message
+
+
+def test_the_falling_run_without_the_bad_batch_is_silent() -> None:
+    _, mon = perm_run(every=10, bad_at=None)
+    assert kinds(mon, "loss_spike") == []
+
+
+def digits_run(optimizer: str, fault: str | None, *, steps: int = 100, width: int = 128):
+    """An MLP on scikit-learn's digits, batch 64, falling from 2.3 to ~0.2 in 50 steps; at
+    step 54 its labels are random (``"labels"``), or at step 53 layer 2's gradients are
+    x30 before the update (``"grads"``)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x_all = torch.tensor(d.data, dtype=torch.float32) / 16
+    y_all = torch.tensor(d.target)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
+    opt = {
+        "sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+        "adam": lambda: torch.optim.Adam(model.parameters(), lr=3e-3),
+        "adamw": lambda: torch.optim.AdamW(model.parameters(), lr=3e-3),
+    }[optimizer]()
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    with hs.Monitor(model, every=10) as mon:
+        for step in range(steps):
+            i = torch.randint(0, len(x_all), (64,), generator=g)
+            x, y = x_all[i], y_all[i]
+            if fault == "labels" and step == 54:
+                y = torch.randint(0, 10, (64,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if fault == "grads" and step == 53:
+                for p in model[2].parameters():
+                    p.grad.mul_(30)
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+            losses.append(loss.item())
+    return losses, mon
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+def test_healthy_digits_runs_under_three_optimizers_have_no_spike(optimizer) -> None:
+    _, mon = digits_run(optimizer, None, steps=150)
+    assert kinds(mon, "loss_spike") == []
+
+
+def test_the_layer_whose_update_broke_leads_by_one_step() -> None:
+    losses, mon = digits_run("sgd", "grads")
+    assert losses[54] > 5 * max(losses[48:54])
+    (spike,) = kinds(mon, "loss_spike")
+    assert (spike.step, spike.module) == (54, "2")
+    assert "1 step before the loss (at step 53)" in spike.message
+
+
+def test_an_excursion_long_gone_leads_nothing() -> None:
+    """A group whose norm left its range 13 steps before the spike and came back (a fast
+    run's drift) is not the leader; the one out of range from the step before is."""
+    params = {"a.0.w": nn.Parameter(torch.ones(1)), "b.0.w": nn.Parameter(torch.ones(1))}
+    watch = SpikeWatch(params, Thresholds())
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for step in range(60):
+        noise = 1 + 0.05 * torch.rand(2, generator=g)
+        a = 30.0 if step == 40 else float(noise[0])
+        b = 40.0 if step >= 53 else float(noise[1])
+        rows.append((step, a, b))
+    window = [_Row(s, {}, {"a.0": a, "b.0": b}, {}) for s, a, b in rows]
+    assert watch._leader(window[-41:], weights=False) == ("b.0", 53, "gradient norm")
+
+
+# -- a divergence: found at every ``every``, once ------------------------------------------
+
+
+def hf_trainer_run(out: Path, every: int, lr: float) -> tuple[list[hs.Finding], list[dict]]:
+    """The Hugging Face ``Trainer`` on a tiny GPT-2 language model (random tokens), with
+    ``HookscopeCallback(every=...)``: at lr 10 the loss goes from 4.6 to thousands."""
+    from torch.utils.data import Dataset
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        PrinterCallback,
+        Trainer,
+        TrainingArguments,
+    )
+
+    from hookscope.integrations.transformers import HookscopeCallback
+
+    class Tokens(Dataset):
+        def __init__(self) -> None:
+            self.x = torch.randint(0, 100, (256, 32), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32)
+    model = GPT2LMHeadModel(config)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=16,
+        per_device_train_batch_size=8,
+        learning_rate=lr,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    callback = HookscopeCallback(every=every, log_dir=None)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return callback.monitor.findings, trainer.state.log_history
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_divergence_under_the_hf_trainer_is_one_finding_at_every_every(tmp_path, every):
+    found, history = hf_trainer_run(tmp_path, every, lr=10.0)
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert max(losses) > 1000 * losses[0] / 2  # plain Trainer log: it diverged
+    diverged = kinds_of(found, "exploding_gradient")
+    assert len(diverged) == 1, [f.message[:80] for f in diverged]
+    assert diverged[0].step <= 3 and "training diverges" in diverged[0].message
+
+
+def test_a_healthy_hf_trainer_run_has_no_finding(tmp_path) -> None:
+    found, _ = hf_trainer_run(tmp_path, 1, lr=1e-3)
+    assert found == []
+
+
+def kinds_of(found: list[hs.Finding], kind: str) -> list[hs.Finding]:
+    return [f for f in found if f.kind == kind]
+
+
+# -- findings do not clear because their values turned NaN; unbounded growth is a finding ----
+
+
+def mlp_run(case: str, every: int = 10, steps: int = 60) -> tuple[list[float], hs.Monitor]:
+    """An MLP on a linear target under SGD. ``"mse"``: lr 3.0, the loss overflows and every
+    weight ends NaN. ``"unbounded"``: the loss is ``-output.mean()``, which nothing bounds:
+    it falls to -inf while the gradients grow ~1e16-fold. ``"healthy"``: MSE at lr 0.05."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
+    )
+    lr = {"mse": 3.0, "unbounded": 0.1, "healthy": 0.05}[case]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    losses = []
+    with hs.Monitor(model, every=every) as mon:
+        for _ in range(steps):
+            x = torch.randn(64, 8, generator=g)
+            out = model(x)
+            loss = -out.mean() if case == "unbounded" else (out - x @ w).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+            losses.append(loss.item())
+    return losses, mon
+
+
+def test_findings_of_a_run_whose_weights_turned_nan_stay_current() -> None:
+    losses, mon = mlp_run("mse")
+    assert losses[0] < 10 and all(v != v for v in losses[-10:])  # plain torch: NaN
+    assert all(not torch.isfinite(p).any() for p in mon._model.parameters())
+    diverged = kinds(mon, "exploding_gradient")
+    assert diverged and all(f.cleared_at is None for f in mon.findings)
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_loss_falling_to_minus_inf_with_exploding_gradients_is_a_finding(every) -> None:
+    losses, mon = mlp_run("unbounded", every)
+    assert losses[20] < -1e5 and float("-inf") in losses  # plain torch
+    (diverged,) = kinds(mon, "exploding_gradient")
+    assert "gradients' total L2 norm" in diverged.message
+    assert diverged.step < losses.index(float("-inf"))  # before it went non-finite
+
+
+def test_the_healthy_mlp_twin_has_no_finding() -> None:
+    losses, mon = mlp_run("healthy", 1, steps=150)
+    assert losses[-1] < 0.2 * losses[0]
+    assert mon.findings == []
