@@ -214,7 +214,7 @@ def _compiled_codes(model: nn.Module) -> dict[str, list[Any]]:
     if entries is None:
         return {}
     found: dict[str, list[Any]] = {}
-    for kind in dict.fromkeys(type(m) for m in model.modules()):
+    for kind in dict.fromkeys(type(m) for m in model.modules() if _may_hide_hooks(m, model)):
         codes = [code for code in _forward_codes(kind) if entries(code)]
         if codes:
             found[kind.__name__] = codes
@@ -223,6 +223,19 @@ def _compiled_codes(model: nn.Module) -> dict[str, list[Any]]:
     if inline is not None and entries(inline) and compiled_wrappers(model):
         found.setdefault(type(model).__name__, []).append(inline)
     return found
+
+
+def _may_hide_hooks(module: nn.Module, model: nn.Module) -> bool:
+    """Whether compiled code of ``module``'s ``forward`` could run without hooks hookscope
+    adds: the hooks of the children it calls are traced into it, and a module compiled on
+    its own (in place, or the model itself) traces its own. A leaf's ``forward`` compiled as
+    a frame of its own (after a graph break, say) runs inside torch's module call, which
+    still runs the leaf's hooks: its code is left alone, and so are other models' graphs."""
+    return (
+        module is model
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or next(iter(module.children()), None) is not None
+    )
 
 
 def _wrapped_inline(model: nn.Module) -> bool:
