@@ -399,6 +399,11 @@ def test_fullgraph_compiles_with_no_graph_break_and_logs_what_eager_logs(
     assert all(r["act"] and r["grad"] for r in compiled)
 
 
+@pytest.mark.requires_torch(
+    "2.10",
+    reason="Dynamo 2.9 guards on the arguments bound in each block's forward hooks (module "
+    "names), so identical blocks compiled one by one compile once per block (same results)",
+)
 def test_identical_blocks_compiled_one_by_one_compile_once_as_without_the_monitor() -> None:
     def frames(model: nn.Module) -> int:
         code = type(model.transformer.h[0]).forward.__code__
