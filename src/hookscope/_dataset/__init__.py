@@ -26,15 +26,25 @@ The package, each module importing only those above it in this list:
 - ``_signature``: what a resume compares (model, sites, data);
 - ``_order``: the loader's batch order, stored and replayed;
 - ``_batch``: a batch into the model, a module's output to host memory;
+- ``_features``: what a batch stores (``Features``; ``ModuleOutputs``: extract_dataset's);
 - ``_writer``: the thread that commits shards;
 - ``_store``: ``FeatureStore``, the reader;
-- ``_run``: ``extract_dataset``, the pass.
+- ``_run``: ``extract_dataset``, and ``write_dataset``, the pass for any ``Features``
+  (``hs.explain_dataset`` stores each sample's map through it).
 """
 
 from __future__ import annotations
 
 from .._errors import FeatureStoreError
-from ._run import extract_dataset
+from ._features import Features
+from ._run import extract_dataset, write_dataset
 from ._store import FeatureColumn, FeatureStore
 
-__all__ = ["FeatureColumn", "FeatureStore", "FeatureStoreError", "extract_dataset"]
+__all__ = [
+    "FeatureColumn",
+    "FeatureStore",
+    "FeatureStoreError",
+    "Features",
+    "extract_dataset",
+    "write_dataset",
+]

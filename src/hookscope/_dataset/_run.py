@@ -4,12 +4,14 @@ A call first checks ``out``: new or empty, it starts (and stores the loader's or
 this same extraction, it resumes after the last committed batch; anything else is refused
 before a file is touched. The pass runs without gradients in eval mode, stops each forward
 right after the last chosen module, and hands whole batches to the writer thread.
+
+:func:`write_dataset` is that pass for any :class:`~._features.Features` (what a batch
+stores): ``extract_dataset`` gives the modules' outputs, ``hs.explain_dataset`` each sample's
+map; both get the same store, resume and refusals.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
 import re
@@ -25,15 +27,15 @@ from .._errors import (
     FeatureStoreError,
     HookscopeError,
     HookscopeWarning,
-    StopForward,
     missing_extra,
     never_ran_message,
 )
 from .._format import progress_bar
-from .._hooks import HookSet, check_not_compiled, training_mode
+from .._hooks import check_not_compiled
 from .._select import Where, select
-from .._tree import describe, tensors
-from ._batch import device_of, inputs, to_host
+from .._tree import describe
+from ._batch import device_of, inputs
+from ._features import Features, ModuleOutputs
 from ._format import (
     CODES,
     FORMAT,
@@ -50,7 +52,7 @@ from ._signature import DATA_DIFFERS, differences, fingerprint, model_signature,
 from ._store import FeatureStore
 from ._writer import Shard, Writer
 
-__all__ = ["extract_dataset"]
+__all__ = ["extract_dataset", "write_dataset"]
 
 SHARD_BYTES = 64 << 20  # default shard size: about 64 MiB of features
 BUFFER_BYTES = 256 << 20  # features held in memory at most (plus the batch being computed)
@@ -114,18 +116,51 @@ def extract_dataset(
         >>> store["1"][:3].shape, sorted(store.index.tolist()) == list(range(10))
         (torch.Size([3, 8]), True)
     """
+    check_not_compiled(model, "extract_dataset")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating dtype (it casts features), got {dtype}")
+    chosen = select(model, where)
+    return write_dataset(
+        model,
+        loader,
+        out,
+        ModuleOutputs(model, chosen, dtype),
+        verb="extract_dataset",
+        signature={"where": list(chosen), "dtype": None if dtype is None else dtype_name(dtype)},
+        shard_rows=shard_rows,
+        progress=progress,
+        buffer_bytes=buffer_bytes,
+    )
+
+
+def write_dataset(
+    model: nn.Module,
+    loader: Iterable[Any],
+    out: str | os.PathLike[str],
+    features: Features,
+    *,
+    verb: str,
+    signature: dict[str, Any],
+    shard_rows: int | None = None,
+    progress: bool = True,
+    buffer_bytes: int = BUFFER_BYTES,
+) -> FeatureStore:
+    """The resumable pass of :func:`extract_dataset` for any ``features``: each batch of
+    ``loader`` through ``features`` into ``out``, shard by shard; a :class:`FeatureStore`.
+
+    ``verb`` names the caller in messages; ``signature`` (JSON: ``where``, ``dtype`` and
+    whatever else makes the stored values what they are) is stored with the model's and the
+    data's, and a call whose signature differs in any key is refused ``out``.
+    """
     try:
         import safetensors  # noqa: F401  (the reader; checked first so nothing half-runs)
     except ImportError:
         raise missing_extra("safetensors", "dataset") from None
-    check_not_compiled(model, "extract_dataset")
     if shard_rows is not None and shard_rows < 1:
         raise ValueError(f"shard_rows must be >= 1, got {shard_rows}")
     if buffer_bytes < 1:
         raise ValueError(f"buffer_bytes must be >= 1, got {buffer_bytes}")
-    if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating dtype (it casts features), got {dtype}")
-    run = _Run(model, loader, select(model, where), Path(out), dtype, shard_rows)
+    run = _Run(model, loader, features, Path(out), signature, shard_rows, verb)
     run.prepare()
     if run.done is None:
         run.extract(progress, buffer_bytes)
@@ -133,19 +168,20 @@ def extract_dataset(
 
 
 class _Run:
-    """One call of extract_dataset: checks ``out``, then runs the batches not yet committed."""
+    """One call of write_dataset: checks ``out``, then runs the batches not yet committed."""
 
     def __init__(
         self,
         model: nn.Module,
         loader: Iterable[Any],
-        chosen: dict[str, nn.Module],
+        features: Features,
         out: Path,
-        dtype: torch.dtype | None,
+        signature: dict[str, Any],
         shard_rows: int | None,
+        verb: str,
     ) -> None:
-        self.model, self.loader, self.chosen, self.out = model, loader, chosen, out
-        self.dtype, self.shard_rows = dtype, shard_rows
+        self.model, self.loader, self.features, self.out = model, loader, features, out
+        self.shard_rows, self.verb = shard_rows, verb
         self.rank, self.world = _rank_and_world()
         self.files = {k: out / v for k, v in files(self.rank).items()}
         self.order: Order | None = None
@@ -155,8 +191,7 @@ class _Run:
         self.ledger_bytes = 0
         self.signature = {
             "model": model_signature(model),
-            "where": list(chosen),
-            "dtype": None if dtype is None else dtype_name(dtype),
+            **signature,
             "world_size": self.world,
         }
 
@@ -172,7 +207,7 @@ class _Run:
             foreign = sorted(p.name for p in self.out.iterdir() if not OURS.match(p.name))
             if foreign:
                 raise FeatureStoreError(
-                    f"extract_dataset: {str(self.out)!r} holds files hookscope did not write "
+                    f"{self.verb}: {str(self.out)!r} holds files hookscope did not write "
                     f"({', '.join(foreign[:3])}), so it was left untouched.\n"
                     "Fix: pass a new or empty directory as `out`."
                 )
@@ -185,7 +220,7 @@ class _Run:
         if isinstance(order, str):
             if order:
                 warnings.warn(
-                    "extract_dataset: store.index will hold positions 0..N-1, not data-set "
+                    f"{self.verb}: store.index will hold positions 0..N-1, not data-set "
                     f"rows, because {order}.",
                     HookscopeWarning,
                     stacklevel=4,
@@ -224,13 +259,13 @@ class _Run:
                 if not problems and fingerprint(self._first_batch()) != stored["data"]["first"]:
                     problems.append(DATA_DIFFERS)
         if problems:
-            raise FeatureStoreError(refusal(self.out, problems))
+            raise FeatureStoreError(refusal(self.out, problems, self.verb))
         self.manifest = manifest
         for entry in self.committed:
             path = self.out / entry["file"]
             if not path.exists() or path.stat().st_size != entry["bytes"]:
                 raise FeatureStoreError(
-                    f"extract_dataset: the shard {entry['file']} that the ledger lists is missing "
+                    f"{self.verb}: the shard {entry['file']} that the ledger lists is missing "
                     f"or changed, so {str(self.out)!r} is damaged.\n"
                     f"Fix: delete {str(self.out)!r} to start over, or pass a new `out`."
                 )
@@ -265,7 +300,7 @@ class _Run:
         for b, batch in enumerate(self.loader):  # no sampler: re-read the committed batches
             stored = None if self.manifest is None else self.manifest["signature"]["data"]
             if b == 0 and stored is not None and fingerprint(batch) != stored["first"]:
-                raise FeatureStoreError(refusal(self.out, [DATA_DIFFERS]))
+                raise FeatureStoreError(refusal(self.out, [DATA_DIFFERS], self.verb))
             if b >= start:
                 yield b, batch, None
 
@@ -280,45 +315,24 @@ class _Run:
     def extract(self, progress: bool, buffer_bytes: int) -> None:
         start = self.committed[-1]["batches"][1] if self.committed else 0
         row = sum(e["rows"] for e in self.committed)
-        names = list(self.chosen)
-        keys = [f"output:{n}" for n in names]
+        names, keys = self.features.names, self.features.keys
         device = device_of(self.model)
-        found: dict[str, torch.Tensor] = {}
-        on_cuda: list[bool] = []
-        state = {t.untyped_storage().data_ptr() for t in self.model.state_dict().values()}
-        held: set[int] = set()
-
-        def keep(name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if name in found:
-                return
-            last = len(found) + 1 == len(names)
-            found[name] = to_host(name, output, self.dtype, on_cuda, last, held)
-            if len(found) == len(names):
-                raise StopForward
-
         total = length(self.loader) if self.order is None else len(self.order[1]) - 1
         bar = progress_bar(
             progress and self.rank == 0,
             total=total,
             initial=start,
             unit="batch",
-            desc=f"extract_dataset {self.out.name}",
+            desc=f"{self.verb} {self.out.name}",
         )
         writer: Writer | None = None
         shard: Shard | None = None
         done: dict[str, Any] | None = None
         try:
-            with HookSet("extract_dataset") as hooks, training_mode(self.model, False):
-                for name, module in self.chosen.items():
-                    hooks.forward(module, functools.partial(keep, name))
+            with self.features.attached():
                 for b, batch, index in self._batches(start):
-                    found.clear()
-                    on_cuda.clear()
                     args, kwargs = inputs(batch, device)
-                    held = state | {t.untyped_storage().data_ptr() for t in tensors(batch)}
-                    held |= {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
-                    with torch.no_grad(), contextlib.suppress(StopForward):
-                        self.model(*args, **kwargs)
+                    found, pending = self.features(batch, args, kwargs)
                     feats = self._check(found, names, index)
                     rows = feats[0].shape[0]
                     index = torch.arange(row, row + rows) if index is None else index
@@ -332,12 +346,12 @@ class _Run:
                     nbytes = index.nbytes + sum(f.nbytes for f in feats)
                     writer.reserve(nbytes)
                     shard = shard or Shard(b, len(names))
-                    shard.add(index, feats, nbytes, on_cuda)
+                    shard.add(index, feats, nbytes, [pending])
                     row += rows
                     if bar is not None:
                         bar.update(1)
             if self.manifest is None:
-                raise ValueError("extract_dataset: the loader gave no batch")
+                raise ValueError(f"{self.verb}: the loader gave no batch")
             done = {"done": True, "rows": row}
         finally:
             if bar is not None:
@@ -354,21 +368,21 @@ class _Run:
     ) -> list[torch.Tensor]:
         missing = [n for n in names if n not in found]
         if missing:
-            raise HookscopeError("extract_dataset: " + never_ran_message(missing))
+            raise HookscopeError(f"{self.verb}: " + never_ran_message(missing))
         feats = [found[n] for n in names]
         rows = feats[0].shape[0] if index is None else len(index)
         sites = None if self.manifest is None else self.manifest["sites"]
         for i, (name, f) in enumerate(zip(names, feats, strict=True)):
             if f.dim() == 0 or f.shape[0] != rows:
                 raise HookscopeError(
-                    f"extract_dataset: module {name!r} gave {describe(f)} for a batch of {rows} "
+                    f"{self.verb}: module {name!r} gave {describe(f)} for a batch of {rows} "
                     "rows; it must return one row per data-set row, batch first."
                 )
             if sites is not None and (
                 list(f.shape[1:]) != sites[i]["shape"] or dtype_name(f.dtype) != sites[i]["dtype"]
             ):
                 raise HookscopeError(
-                    f"extract_dataset: module {name!r} gave {describe(f)}, but earlier batches "
+                    f"{self.verb}: module {name!r} gave {describe(f)}, but earlier batches "
                     f"gave {sites[i]['dtype']} rows of shape {sites[i]['shape']}. Every row must "
                     "have the same shape (pad sequences to one length)."
                 )
@@ -387,7 +401,7 @@ class _Run:
         for name, f in zip(names, feats, strict=True):
             if f.dtype not in CODES:
                 raise HookscopeError(
-                    f"extract_dataset: module {name!r} gives {f.dtype}, which safetensors "
+                    f"{self.verb}: module {name!r} gives {f.dtype}, which safetensors "
                     "cannot store; pass dtype=torch.float32 (or another float dtype)."
                 )
         row_bytes = 8 + sum(f[0].nbytes for f in feats)

@@ -62,9 +62,10 @@ def differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
         out.append("the model's weights differ (same architecture)")
     if stored["where"] != now["where"]:
         out.append(f"where: the store has {stored['where']}, this call chose {now['where']}")
-    for key in ("dtype", "world_size"):
-        if stored[key] != now[key]:
-            out.append(f"{key}: the store has {stored[key]}, this call has {now[key]}")
+    # dtype, world_size, and what another verb stores besides (explain_dataset's method)
+    for key in sorted((set(stored) | set(now)) - {"model", "where", "data"}):
+        if stored.get(key) != now.get(key):
+            out.append(f"{key}: the store has {stored.get(key)}, this call has {now.get(key)}")
     for key in ("rows", "batches", "dataset_len"):
         a, b = stored["data"].get(key), now["data"].get(key)
         if a is not None and b is not None and a != b:
@@ -72,9 +73,9 @@ def differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
-def refusal(out: Path, problems: list[str]) -> str:
+def refusal(out: Path, problems: list[str], verb: str = "extract_dataset") -> str:
     return (
-        f"extract_dataset: {str(out)!r} holds features of another extraction, so it was left "
+        f"{verb}: {str(out)!r} holds features of another extraction, so it was left "
         "untouched:\n  - " + "\n  - ".join(problems) + "\n"
         f"Fix: pass a new `out`, or delete {str(out)!r} to start over."
     )
