@@ -254,3 +254,38 @@ def test_the_healthy_mlp_twin_has_no_finding() -> None:
     losses, mon = mlp_run("healthy", 1, steps=150)
     assert losses[-1] < 0.2 * losses[0]
     assert mon.findings == []
+
+
+# -- not_updated: one deliberate step without gradients is no bug -----------------------------
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.AdamW])
+def test_one_deliberate_step_without_gradients_is_not_not_updated(optimizer) -> None:
+    torch.manual_seed(0)
+    model = models.bert().train()
+    opt = optimizer(model.parameters(), lr=1e-3)
+    with hs.Monitor(model, every=1) as mon:
+        opt.step()  # deliberate: before any backward (a scheduler's order warning avoided)
+        for step in range(6):
+            ids = models.token_ids(2, 8)
+            model(ids).last_hidden_state.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 3:
+                opt.step()  # deliberate: an extra step, gradients already cleared
+            mon.step()
+    assert kinds(mon, "not_updated") == []
+
+
+def test_zero_grad_between_backward_and_step_is_still_not_updated() -> None:
+    torch.manual_seed(0)
+    model = models.bert().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with hs.Monitor(model, every=10) as mon:
+        for _ in range(4):
+            model(models.token_ids(2, 8)).last_hidden_state.pow(2).mean().backward()
+            opt.zero_grad()  # the bug: every gradient cleared before the update
+            opt.step()
+            mon.step()
+    (finding,) = kinds(mon, "not_updated")
+    assert finding.step <= 1 and "zero_grad()" in finding.message

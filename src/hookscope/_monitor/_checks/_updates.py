@@ -31,6 +31,7 @@ FROZEN_ELEMENTS = 64
 # and the ~20 small ops per weight would be a tenth of the Monitor's own ops per step.
 FIRST_STEPS = 3
 PROBE_EVERY = 10
+NO_GRAD_STEPS = 2  # an optimizer's steps in a row with no gradient before it is a finding
 
 
 def _names(names: list[str], limit: int = 3) -> str:
@@ -100,6 +101,7 @@ class NotUpdated:
         self._steps: dict[int, int] = {}  # per optimizer: its steps so far
         self._foreign = self._ours = self._ever = False
         self._foreign_run = 0
+        self._no_grad_steps: dict[int, int] = {}  # per optimizer: steps in a row, no gradient
         ctx.hooks.optimizer_step_pre_global(self._pre)
         ctx.hooks.optimizer_step_post_global(self._post)
 
@@ -155,15 +157,24 @@ class NotUpdated:
         return chosen
 
     def _nothing_can_change(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether ``opt`` steps only parameters that cannot change, reported when frozen
+        ones only (``requires_grad=False``: at once), or when none had a gradient at
+        ``NO_GRAD_STEPS`` of its steps in a row (one step without gradients can be meant: a
+        step taken before the first backward, or a loop's deliberate extra one)."""
         frozen, no_grad = [], []
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p.grad is not None:
+                    self._no_grad_steps.pop(id(opt), None)
                     return False
                 name = self._all.get(id(p), "(not in the model)")
                 (no_grad if p.requires_grad else frozen).append(name)
         if not frozen and not no_grad:
             return False
+        if no_grad:
+            run = self._no_grad_steps[id(opt)] = self._no_grad_steps.get(id(opt), 0) + 1
+            if run < NO_GRAD_STEPS:
+                return True
         self._found.append(self._cannot_change(type(opt).__name__, frozen, no_grad))
         return True
 
@@ -178,7 +189,8 @@ class NotUpdated:
             )
         else:
             why = (
-                f"{len(no_grad)} had no gradient (.grad is None: {_names(no_grad)})"
+                f"{len(no_grad)} had no gradient (.grad is None: {_names(no_grad)}) at "
+                f"{NO_GRAD_STEPS} of its steps in a row"
                 + (f" and {len(frozen)} have requires_grad=False" if frozen else "")
                 + ". Usually zero_grad() runs between backward() and step(), or the loss does "
                 "not depend on these parameters (detached, or computed by another copy of the "
