@@ -289,3 +289,51 @@ def test_zero_grad_between_backward_and_step_is_still_not_updated() -> None:
             mon.step()
     (finding,) = kinds(mon, "not_updated")
     assert finding.step <= 1 and "zero_grad()" in finding.message
+
+
+# -- update_ratio: a lookup table whose rows are mostly unused -------------------------------
+
+
+class BagOfWords(nn.Module):
+    """A 13k-row embedding, mean-pooled, under a linear head (a Lightning example's text
+    classifier, shrunk)."""
+
+    def __init__(self, vocab: int = 13_000, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).mean(1))
+
+
+def bag_run(lr: float, steps: int = 40) -> hs.Monitor:
+    """SGD with gradient clipping on batches that use ~300 of the 13k rows."""
+    torch.manual_seed(0)
+    model = BagOfWords()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(0)
+    used = torch.randperm(13_000, generator=g)[:300]
+    with hs.Monitor(model, every=10) as mon:
+        for _ in range(steps):
+            ids = used[torch.randint(0, 300, (32, 12), generator=g)]
+            y = ids[:, 0] % 4
+            loss = nn.functional.cross_entropy(model(ids), y)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    return mon
+
+
+def test_a_sparsely_updated_embedding_is_no_update_ratio_finding() -> None:
+    mon = bag_run(lr=0.1)
+    ratios = [r["param"]["embed.weight"]["update_ratio"] for r in mon.records[2:] if "param" in r]
+    assert ratios and max(r for r in ratios if r is not None) < 1e-5  # plain: tiny over the table
+    assert kinds(mon, "update_ratio") == []
+
+
+def test_a_learning_rate_too_small_is_still_found_on_the_dense_head() -> None:
+    mon = bag_run(lr=1e-6)
+    assert {f.module for f in kinds(mon, "update_ratio")} == {"head"}

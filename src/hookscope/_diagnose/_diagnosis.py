@@ -43,7 +43,7 @@ class Diagnosis:
         self._lifecycle = Lifecycle(thresholds)
         self._training = Training(thresholds)
         self._gradients = Gradients(thresholds, shapes, types or {})
-        self._updates = Updates(thresholds, shapes)
+        self._updates = Updates(thresholds, shapes, types)
         self._massive = MassiveActivations(thresholds)
         self._logits = LogitGrowth(thresholds)
         self._precision = Precision(thresholds)

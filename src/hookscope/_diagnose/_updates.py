@@ -2,8 +2,9 @@
 
 ||ΔW||/||W|| of each weight matrix or kernel is judged over ``update_span`` training steps,
 not during a learning-rate warm-up, and not on the high side during Adam's first updates
-while the loss falls. A parameter whose module's output went on detached and that gets no
-gradient is an ``update_ratio`` finding too: its optimizer never changes it.
+while the loss falls, and not on the low side for lookup tables (embeddings: a step moves
+only the rows its batch used). A parameter whose module's output went on detached and that
+gets no gradient is an ``update_ratio`` finding too: its optimizer never changes it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,20 @@ __all__ = ["Updates"]
 class Updates:
     """The update rules, and the runs of each parameter's side across sampled steps."""
 
-    def __init__(self, thresholds: Thresholds, shapes: dict[str, list[int]]) -> None:
+    def __init__(
+        self,
+        thresholds: Thresholds,
+        shapes: dict[str, list[int]],
+        types: dict[str, str] | None = None,
+    ) -> None:
         self.t = thresholds
         self.numel = {name: math.prod(shape) for name, shape in shapes.items()}
+        # Lookup tables (``nn.Embedding`` and its kin): a step updates only the rows its
+        # batch used, so the ratio over the whole table is small by design (a 13k-row
+        # vocabulary of which a batch uses a few hundred): never "too small".
+        self._tables = {
+            name for name in shapes if "Embedding" in (types or {}).get(module_of(name), "")
+        }
         self._ratio: dict[str, Run] = {}  # parameter -> run of "high" / "low" / False
         self._no_grad: dict[str, Run] = {}
         self._initial: dict[str, float] = {}  # RMS of each weight when first seen
@@ -63,7 +75,7 @@ class Updates:
         tiny = min(rms, self._initial[name]) < self.t.tiny_rms
         if ratio > self.t.update_high and not tiny:
             return "high"
-        if ratio < self.t.update_low and s.get("grad_norm") != 0.0:
+        if ratio < self.t.update_low and s.get("grad_norm") != 0.0 and name not in self._tables:
             return "low"
         return False
 
