@@ -72,6 +72,7 @@ class HookSet:
         # Module hooks switched on and off together (``grouped``, ``switch``), by name
         self._groups: dict[str, _Group] = {}
         self._group: _Group | None = None  # where module hooks registered now go
+        self._places: dict[int, tuple[dict, list[Any], list[int]]] = {}  # (_Group)
         self._besides: nn.Module | None = None  # whose hooks stay out of it
         weakref.finalize(self, _forget_module_hooks, self._module_ids, self._patches)
         _LIVE.add(self)
@@ -142,7 +143,10 @@ class HookSet:
         (the module whose hooks switch the group, which must not change its own hooks while
         torch runs them) stay out of it."""
         kept = self._group, self._besides
-        self._group = self._groups.setdefault(name, _Group())
+        group = self._groups.get(name)
+        if group is None:
+            group = self._groups[name] = _Group(self._places)
+        self._group = group
         self._besides = besides
         try:
             yield
@@ -219,6 +223,7 @@ class HookSet:
         for group in self._groups.values():
             group.forget()
         self._groups.clear()
+        self._places.clear()
         while self._tensor_handles:
             self._tensor_handles.pop().remove()
         while self._handles:
@@ -243,15 +248,17 @@ class HookSet:
 
 class _Group:
     """Module hooks taken off and put back together, each under its own key and in its
-    place among the other hooks of its module (``HookSet.switch``)."""
+    place among the other hooks of its module (``HookSet.switch``). ``places`` is shared by
+    a set's groups: each hook dict's order from before any group took a hook off it."""
 
-    __slots__ = ("_away", "_handles", "_orders", "on")
+    __slots__ = ("_away", "_handles", "_places", "on")
 
-    def __init__(self) -> None:
+    def __init__(self, places: dict[int, tuple[dict, list[Any], list[int]]]) -> None:
         self.on = True
         self._handles: list[RemovableHandle] = []
         self._away: list[tuple[dict, int, Any]] = []  # (hook dict, key, value) while off
-        self._orders: list[tuple[dict, list[int]]] = []  # each dict's keys before
+        # id(hook dict) -> (the dict, its keys in order, [how many of ours are off it])
+        self._places = places
 
     def add(self, handle: RemovableHandle) -> None:
         self._handles.append(handle)
@@ -260,39 +267,44 @@ class _Group:
 
     def take_off(self) -> None:
         self.on = False
-        self._orders = []
         self._take_off(self._handles)
 
     def _take_off(self, handles: list[RemovableHandle]) -> None:
-        seen: set[int] = {id(d) for d, _ in self._orders}
+        places = self._places
         for handle in handles:
             for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
                 hooks = ref()
                 if hooks is None or handle.id not in hooks:
                     continue
-                if id(hooks) not in seen:
-                    seen.add(id(hooks))
-                    self._orders.append((hooks, list(hooks)))
+                place = places.get(id(hooks))
+                if place is None:
+                    place = places[id(hooks)] = (hooks, list(hooks), [0])
+                place[2][0] += 1
                 self._away.append((hooks, handle.id, hooks.pop(handle.id)))
 
     def put_back(self) -> None:
         self.on = True
         away, self._away = self._away, []
+        touched: dict[int, dict] = {}
         for hooks, key, value in away:
             hooks[key] = value
-        orders, self._orders = self._orders, []
-        for hooks, before in orders:
+            touched[id(hooks)] = hooks
+        for key, hooks in touched.items():
+            _, before, off = self._places[key]
+            off[0] -= sum(1 for h, _, _ in away if h is hooks)
             now = list(hooks)
             was = set(before)
             order = [k for k in before if k in hooks] + [k for k in now if k not in was]
-            if now != order:  # another hook came or went meanwhile, or ours were first
+            if now != order:  # back at the end: into their places
                 items = [(k, hooks[k]) for k in order]
                 hooks.clear()
                 hooks.update(items)
+            if not off[0]:  # all of ours are back: the next take-off sees the dict anew
+                del self._places[key]
 
     def forget(self) -> None:
         """The set is removed: what is off stays off."""
-        self._away, self._orders, self._handles = [], [], []
+        self._away, self._handles = [], []
 
 
 def _code_of(fn: Callable[..., Any]) -> Any:

@@ -97,12 +97,16 @@ class Attention:
             self._buffer().add(("attn", name), logit.float(), "max")
 
     def _enter(self, name: str, module: nn.Module) -> None:
+        if torch.compiler.is_compiling():  # eager-only: a graph would guard on the thread's
+            return  # state, which changes after the first step (a recompile at step 1)
         running = _running()
         if not any(probe is self for probe, _ in running) and not self._active(module):
             return
         running.append((self, name))
 
     def _exit(self, name: str) -> None:
+        if torch.compiler.is_compiling():
+            return
         running = _running()
         for i in range(len(running) - 1, -1, -1):
             if running[i][0] is self:

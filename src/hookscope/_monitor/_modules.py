@@ -27,12 +27,18 @@ from .._tap import Tap
 from .._tree import tensors
 from ._compiled import CompiledProbes
 from ._nonfinite import PASS_THROUGH
+from ._options import device_of
 from ._outputs import Activations, OutputGrads
 from ._precision import Precision
 from ._step import StepState
 from ._trace import Tape
 
-__all__ = ["ModuleHooks"]
+__all__ = ["CHECKS", "ModuleHooks"]
+
+# The HookSet's groups of module hooks (``HookSet.grouped``) that the gate switches
+MODULES = "modules"  # the probes' hooks on every module
+TAPE = "tape"  # the tape's on the root's children
+CHECKS = "checks"  # the checks' (``_checks/``): evaluation passes and autocast only
 
 
 class ModuleHooks:
@@ -56,9 +62,16 @@ class ModuleHooks:
     ) -> None:
         self._hooks, self._acts, self._grads = hooks, acts, grads
         self._precision, self._compiled = precision, compiled
+        self._model = model
         self._pass_through = {n for n, m in modules.items() if isinstance(m, PASS_THROUGH)}
+        self._devices = tuple(dict.fromkeys(("cpu", device_of(model).type)))
+        # The gate (``_gate``): the modules' hooks go off once the eager hooks were seen
+        # running, and never where a compiled graph holds them (it guards on what they read).
+        self._eager_seen = self._compiled_seen = False
+        self._outer_calls = 0  # outermost calls this step
+        self._transient = False  # the modules' hooks are on for one outermost call
         # What the hooks write this step; the Monitor sets the first step's before any call.
-        self.now = StepState(sampled=False, light=False)
+        self._now = StepState(sampled=False, light=False)
         self.grad_calls = 0  # output gradients seen: did a backward pass reach the model?
         self.tape = Tape(
             hooks,
@@ -66,13 +79,73 @@ class ModuleHooks:
             keep_outputs=keep_outputs,
             on_first_call=on_first_call,
             on_top_call=self._on_root,
+            on_outer=self._on_outer,
         )
-        for name, module in modules.items():
-            index = compiled.index[name]
-            hooks.forward(module, functools.partial(self._on_forward, name, index))
-        for name, module in model.named_modules():
-            if name not in modules:
-                hooks.forward(module, self._on_container)
+        with hooks.grouped(MODULES, besides=model):
+            for name, module in modules.items():
+                index = compiled.index[name]
+                hooks.forward(module, functools.partial(self._on_forward, name, index))
+            for name, module in model.named_modules():
+                if name not in modules:
+                    hooks.forward(module, self._on_container)
+
+    # -- the gate: which hooks are on the modules this step ----------------------------------
+    @property
+    def now(self) -> StepState:
+        """What the hooks write this step (``_step.py``)."""
+        return self._now
+
+    @now.setter
+    def now(self, state: StepState) -> None:
+        old, self._now = self._now, state
+        if old.updates and not self._outer_calls and not self.tape.children_called:
+            # the model was trained with no outermost call seen: the loop calls its parts
+            # (the children's hooks were off): they stay on from now
+            self.tape.children_called = True
+        if (old.sampled or not old.light) and old.updates and not old.hooks_ran:
+            self._compiled_seen = True  # a compiled graph without the hooks: keep them on
+        self._outer_calls = 0
+        self._gate()
+
+    def _gate(self) -> None:
+        """Put the modules' hooks on for a step that needs them, and take them off for one
+        that does not: an unsampled step where the model's edges are flagged and a replay
+        localises (``StepState.light``) runs no hook on any module but the outermost calls'
+        (torch then calls each module without any hook dispatch), once the eager hooks were
+        seen and no compiled graph holds them. The checks' hooks (``CHECKS``) act only in
+        evaluation passes and autocast regions: on for those outermost calls
+        (:meth:`_on_outer`). The root's own hooks are never switched: the root's hooks
+        switch the others (torch runs a module's hooks from its hook dicts)."""
+        s, hooks = self._now, self._hooks
+        # (the loop calls the model's parts: a part's own hooks would switch its hooks)
+        keep = not self._eager_seen or self._compiled_seen or self.tape.children_called
+        on = keep or s.sampled or not s.light or s.flagging
+        hooks.switch(MODULES, on)
+        hooks.switch(TAPE, on or self.tape.children_called)
+        hooks.switch(CHECKS, keep)
+        self._transient = False
+
+    def _on_outer(self, entering: bool, kept: bool) -> None:
+        """An outermost call into the model starts (``entering``) or ends: the checks' hooks
+        are on for an evaluation pass or inside autocast, and the modules' for a call the
+        tape does not keep (no replay can localise in it)."""
+        if entering:
+            self._outer_calls += 1
+        if self._compiled_seen or not self._eager_seen or self.tape.children_called:
+            return
+        hooks = self._hooks
+        if not hooks.is_on(MODULES):  # the modules' hooks are off: this call stands for them
+            self._now.hooks_ran = True
+        if entering:
+            autocast = any(torch.is_autocast_enabled(d) for d in self._devices)
+            hooks.switch(CHECKS, autocast or not self._model.training)
+            if not kept and not hooks.is_on(MODULES):
+                self._transient = True
+                hooks.switch(MODULES, True)
+        else:
+            hooks.switch(CHECKS, False)
+            if self._transient:
+                self._gate()
 
     def measures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` now adds to the step's statistics: a sampled step in
@@ -87,12 +160,14 @@ class ModuleHooks:
     def flagging(self) -> Iterator[StepState]:
         """While the step is replayed with every watched module flagged (``_decide.py``),
         the hooks write into a state of the replay's own, which this yields."""
-        kept = self.now
-        self.now = StepState(sampled=False, light=False, flagging=True)
+        kept = self._now
+        self._now = StepState(sampled=False, light=False, flagging=True)
+        self._gate()
         try:
-            yield self.now
+            yield self._now
         finally:
-            self.now = kept
+            self._now = kept
+            self._gate()
 
     # -- the hooks ---------------------------------------------------------------------------
     def _on_forward(
@@ -106,10 +181,10 @@ class ModuleHooks:
     ) -> Any:
         if torch.compiler.is_compiling():  # traced into a graph: ``_compiled.py``
             return self._on_forward_compiled(index, module, args, output)
-        s = self.now
+        s = self._now
         if self.tape.paused and not s.flagging:  # a replay under the op tracer
             return
-        s.hooks_ran = True
+        s.hooks_ran = self._eager_seen = True
         sampled = s.sampled
         if not sampled and s.light and self.tape.recording:
             return  # the edges' flags and a replay stand for this call's
@@ -159,14 +234,18 @@ class ModuleHooks:
     def _on_forward_compiled(
         self, index: torch.Tensor, module: nn.Module, args: Any, output: Any
     ) -> Any:
-        """The forward hook inside a compiled graph: it reads only Python bools (one graph
-        for sampled steps, one for the others) and the module's index tensor."""
+        """The forward hook inside a compiled graph: it reads one Python bool, ``sampled``
+        (one graph for sampled steps, one for all the others), and the module's index
+        tensor. Nothing else a graph would guard on: whether the edges are checked
+        (``light``, which turns on once an optimizer is adopted, after the first step) or
+        the tape records would change between steps and recompile the graph. An unsampled
+        step's graph adds nothing: the edges' flags (:meth:`_on_root`, also on a step that
+        is not light), the parameters' and a replay stand for its modules' flags."""
         s = self.now
-        s.hooks_ran = True
-        # ``sampled`` first: a sampled step's graph then guards on it alone
-        if not s.sampled and s.light and self.tape.recording:
-            return None  # the edges' flags and a replay stand for this call's
-        return self._compiled.forward(index, module, args, output, sampled=s.sampled)
+        s.hooks_ran = self._compiled_seen = True
+        if not s.sampled:
+            return None
+        return self._compiled.forward(index, module, args, output, sampled=True)
 
     def _on_root(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """Where the edges are checked (``StepState.light``): flag the inputs and outputs of
@@ -176,8 +255,9 @@ class ModuleHooks:
         each such call returns."""
         if self._compiled.ran and not self.tape.paused and torch.is_grad_enabled():
             self._hear_backward(output)
-        s = self.now
-        if not s.light or self.tape.paused or in_backward_recompute():
+        s = self._now
+        light = s.light or self._compiled_seen  # compiled graphs flag no module unsampled
+        if not light or self.tape.paused or in_backward_recompute():
             return
         outs = [t for t in tensors(output) if t.is_floating_point()]
         # Positional inputs only, as for every module: keyword ones are often masks that

@@ -22,7 +22,7 @@ from ._attention import Attention
 from ._buffer import Host, StepBuffer
 from ._compiled import CompiledProbes
 from ._dist import Entry
-from ._modules import ModuleHooks
+from ._modules import MODULES, ModuleHooks
 from ._options import device_of
 from ._outputs import Activations, OutputGrads
 from ._precision import Precision
@@ -95,13 +95,14 @@ class ProbeSet:
             keep_outputs=keep_outputs,
             on_first_call=self.bns.save_running if skip else None,
         )
-        self.attention = Attention(
-            model,
-            hooks,
-            self.sample,
-            active=module_hooks.measures,
-            buffer=lambda: module_hooks.now.buf,
-        )
+        with hooks.grouped(MODULES, besides=model):  # it measures on sampled steps only
+            self.attention = Attention(
+                model,
+                hooks,
+                self.sample,
+                active=module_hooks.measures,
+                buffer=lambda: module_hooks.now.buf,
+            )
         return module_hooks
 
     def collect(self, buf: StepBuffer) -> None:

@@ -94,10 +94,17 @@ class Tape:
         keep_outputs: bool = False,
         on_first_call: Any = None,
         on_top_call: Any = None,
+        on_outer: Any = None,
     ) -> None:
         self.keep_outputs = keep_outputs
         self.on_first_call = on_first_call  # called before the step's first outermost call
         self.on_top_call = on_top_call
+        # on_outer(True, kept) as an outermost call starts (kept: the tape keeps it), and
+        # on_outer(False, kept) once it returned (or raised)
+        self.on_outer = on_outer
+        # An outermost call of a child of the root (the loop calls the model's parts): the
+        # children's hooks ("tape" group of the HookSet) must then stay on
+        self.children_called = False
         self.calls: list[Call] = []
         self.paused = False
         self.grad_enabled: bool | None = None  # autograd's mode when the model was called
@@ -110,8 +117,14 @@ class Tape:
         self._hooks = hooks
         self._eager = eager_only(self._before), eager_only(self._after)
         self._wrappers_taped = False
-        for name, module in top_modules(root):
-            self._tape(name, module)
+        self._outer = False  # the outermost call under way was announced to on_outer
+        tops = top_modules(root)
+        self._tape(*tops[0])
+        # The children's hooks only count calls while the root runs: a HookSet group, off on
+        # steps where the loop is known to call the root only (``ModuleHooks``)
+        with hooks.grouped("tape"):
+            for name, module in tops[1:]:
+                self._tape(name, module)
 
     def _tape(self, name: str, module: nn.Module) -> None:
         before, after = self._eager
@@ -137,9 +150,15 @@ class Tape:
         if self.paused or self._depth > 1 or in_backward_recompute():
             return
         self.grad_enabled = torch.is_grad_enabled()
+        if name:
+            self.children_called = True
         if not self.calls and self.on_first_call is not None:
             self.on_first_call()
-        if len(self.calls) >= self.MAX_CALLS:
+        kept = len(self.calls) < self.MAX_CALLS
+        if self.on_outer is not None:
+            self._outer = True
+            self.on_outer(True, kept)
+        if not kept:
             return
         self.calls.append(Call(args, dict(kwargs), rng_state(), module=module if name else None))
         self.recording = True
@@ -152,6 +171,9 @@ class Tape:
             return None
         self.grad_enabled = None
         kept, self.recording = self.recording, False
+        if self._outer:
+            self._outer = False
+            self.on_outer(False, kept)
         if self.paused or in_backward_recompute():
             return None
         aliased = self._end(output) if kept else None

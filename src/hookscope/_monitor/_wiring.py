@@ -23,6 +23,7 @@ from ._checks import Checks, Context
 from ._decide import NonFiniteDecision
 from ._dist import Collective, Entry
 from ._heard import Ears
+from ._modules import CHECKS
 from ._output import Output
 from ._probeset import ProbeSet
 from ._transfer import Transfer
@@ -97,23 +98,26 @@ class Wiring:
                 on_nonfinite=on_nonfinite,
                 step=step,
             )
-            self.checks = Checks(
-                Context(
-                    model,
-                    modules,
-                    probes.params.params,
-                    self.hooks,
-                    out.write,
-                    # a replay, or a graph being compiled (the checks' hooks are eager-only)
-                    paused=lambda: self.tape.paused or torch.compiler.is_compiling(),
-                    skipping=lambda: self.module_hooks.now.nonfinite is not None and skip,
-                    sampler=probes.sampler,
-                    rank=coll.rank if coll is not None else None,
-                    world=world,
-                ),
-                frozen=frozen,
-                replicated=replicated,
-            )
+            # The checks' module hooks act in evaluation passes and autocast regions only
+            # (each returns at once otherwise): the gate puts them on for those calls.
+            with self.hooks.grouped(CHECKS, besides=model):
+                self.checks = Checks(
+                    Context(
+                        model,
+                        modules,
+                        probes.params.params,
+                        self.hooks,
+                        out.write,
+                        # a replay, or a graph being compiled (the checks' hooks are eager-only)
+                        paused=lambda: self.tape.paused or torch.compiler.is_compiling(),
+                        skipping=lambda: self.module_hooks.now.nonfinite is not None and skip,
+                        sampler=probes.sampler,
+                        rank=coll.rank if coll is not None else None,
+                        world=world,
+                    ),
+                    frozen=frozen,
+                    replicated=replicated,
+                )
             # listen() keeps a weak reference: the wiring holds its listener
             self._listener = Ears(
                 self.module_hooks, probes.params, self.checks, self.updates.read_gradients
