@@ -236,7 +236,7 @@ def test_torch_functions_are_put_back_and_nothing_is_kept() -> None:
     global_hooks = len(_global_optimizer_pre_hooks)
     model = TupleGPT()
     with hs.Monitor(model) as outer:
-        with hs.Monitor(model):
+        with hs.Monitor(TupleGPT()):  # another model's (one open Monitor per model)
             assert torch.autograd.backward is not originals[0]
         _, loss = model(token_ids(vocab=50), token_ids(vocab=50))
         loss.backward()

@@ -37,6 +37,7 @@ _WHERE = {
     "NonFiniteError": "._errors",
     "SelectionError": "._errors",
     "TargetError": "._errors",
+    "UnsupportedModelError": "._errors",
     "Explanation": "._explain",
     "explain": "._explain",
     "extract": "._extract",
@@ -85,6 +86,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._errors import NonFiniteError as NonFiniteError
     from ._errors import SelectionError as SelectionError
     from ._errors import TargetError as TargetError
+    from ._errors import UnsupportedModelError as UnsupportedModelError
     from ._explain import Explanation as Explanation
     from ._explain import explain as explain
     from ._extract import extract as extract
@@ -157,6 +159,7 @@ __all__ = [
     "TargetError",
     "TensorBoardSink",
     "Thresholds",
+    "UnsupportedModelError",
     "capture",
     "compare",
     "explain",

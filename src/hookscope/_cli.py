@@ -232,13 +232,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except (HookscopeError, ImportError) as exc:
-        sys.stderr.write(f"Error: {exc}\nTry 'hookscope {args.command} --help' for help.\n")
+        name = args.run.__name__.lstrip("_")  # (watch's own `command` is the command it runs)
+        sys.stderr.write(f"Error: {exc}\nTry 'hookscope {name} --help' for help.\n")
         return 1
 
 
 def _demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
+    from ._paths import check_writable
 
+    check_writable(args.out, "the demo's log and report", "--out ")  # before the training
     result = run_demo(
         args.out,
         epochs=args.epochs,
@@ -287,11 +290,7 @@ def _summary(args: argparse.Namespace) -> int:
 
     from ._summary import summary
 
-    model = _load_factory(args.target)()
-    if not isinstance(model, torch.nn.Module):
-        raise _UserError(
-            f"{args.target} returned {type(model).__name__}, expected a torch.nn.Module"
-        )
+    model = _build(args.target)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise _UserError(f"unknown dtype {args.dtype!r}; try float32, float16 or long")
@@ -312,15 +311,10 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    import torch
+    from ._monitor._replay import check_bundle, replay
 
-    from ._monitor._replay import replay
-
-    model = _load_factory(args.model)()
-    if not isinstance(model, torch.nn.Module):
-        raise _UserError(
-            f"{args.model} returned {type(model).__name__}, expected a torch.nn.Module"
-        )
+    check_bundle(args.bundle)  # before the model is built: a missing bundle says so first
+    model = _build(args.model)
     print(replay(args.bundle, model))
     return 0
 
@@ -352,6 +346,24 @@ def _print_table(result: Any) -> None:
             Console().print(result)
             return
     print(result)
+
+
+def _build(target: str) -> Any:
+    """The model ``MODULE:FACTORY`` builds, or an error saying why there is none."""
+    import torch
+
+    factory = _load_factory(target)
+    try:
+        model = factory()
+    except Exception as exc:  # the user's factory failed: say so without a traceback
+        raise _UserError(
+            f"{target}() failed: {type(exc).__name__}: {exc}. FACTORY is called with no "
+            "arguments and must build and return the model (a function such as "
+            "mymodels:build, not a class that needs arguments)"
+        ) from None
+    if not isinstance(model, torch.nn.Module):
+        raise _UserError(f"{target} returned {type(model).__name__}, expected a torch.nn.Module")
+    return model
 
 
 def _load_factory(target: str) -> Any:

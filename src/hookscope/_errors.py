@@ -42,6 +42,11 @@ class CompiledModelError(HookscopeError, RuntimeError):
     """Hooks were asked for on a model that ``torch.compile`` already wrapped."""
 
 
+class UnsupportedModelError(HookscopeError, TypeError):
+    """A model no hook can watch: not an ``nn.Module`` (a plain function), or a TorchScript
+    module (``torch.jit.script`` / ``torch.jit.trace``), which runs no Python hook."""
+
+
 class NonFiniteError(HookscopeError, FloatingPointError):
     """A NaN or Inf appeared; raised by a Monitor with ``on_nonfinite="raise"``.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,11 @@ __all__ = [
     "decode",
     "encode",
     "log_path",
+    "numbered",
     "read_log",
+    "report_name",
+    "run_logs",
+    "run_number",
 ]
 
 LOG_NAME = "hookscope.jsonl"
@@ -206,12 +211,49 @@ HOOKSCOPE_LOG = (
     '{"type": "header", "format": "hookscope-log", ...}'
 )
 
+# A directory holds one log per run: hookscope.jsonl for the first, hookscope-2.jsonl for a
+# second run there (a notebook cell run again, two Monitors on one log_dir), and so on; a
+# run never truncates or shares another's file.
+_NUMBERED = re.compile(r"^(?P<stem>.+?)(?:-(?P<n>[0-9]+))?\.jsonl$")
+
+
+def run_number(path: Path) -> int:
+    """1 for ``hookscope.jsonl``, ``n`` for ``hookscope-<n>.jsonl``."""
+    match = _NUMBERED.match(path.name)
+    return int(match["n"]) if match and match["n"] else 1
+
+
+def numbered(path: Path, n: int) -> Path:
+    """The ``n``-th run's file beside ``path`` (``path`` itself for the first)."""
+    return path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+
+
+def run_logs(directory: str | Path, name: str = LOG_NAME) -> list[Path]:
+    """The run logs in ``directory`` (``hookscope.jsonl``, ``hookscope-2.jsonl``, ...), oldest
+    run first."""
+    stem = Path(name).stem
+    found = []
+    for path in Path(directory).glob(f"{stem}*.jsonl"):
+        match = _NUMBERED.match(path.name)
+        if match and match["stem"] == stem and (match["n"] is None or int(match["n"]) >= 2):
+            found.append(path)
+    return sorted(found, key=run_number)
+
+
+def report_name(log: Path) -> str:
+    """The default report file of a run's log: ``report.html`` for ``hookscope.jsonl``,
+    ``report-<n>.html`` for ``hookscope-<n>.jsonl``."""
+    n = run_number(log)
+    return "report.html" if n == 1 else f"report-{n}.html"
+
 
 def log_path(log_dir: str | Path) -> Path:
-    """The JSON-lines file of a run: ``DIR/hookscope.jsonl``, or the file itself."""
+    """The JSON-lines file of a run: the newest run's in a directory (``DIR/hookscope.jsonl``,
+    or ``DIR/hookscope-<n>.jsonl`` where later runs wrote there), or the file itself."""
     path = Path(log_dir)
     if path.is_dir():
-        path = path / LOG_NAME
+        runs = run_logs(path)
+        path = runs[-1] if runs else path / LOG_NAME
     if not path.is_file():
         raise HookscopeError(
             f"no hookscope log at {str(path)!r}. Expected a directory holding {LOG_NAME}, "
@@ -224,7 +266,8 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
     """Every record of a Monitor's log, as dicts; ``"nan"``/``"inf"`` strings become floats.
 
     Args:
-        path: The run's ``log_dir`` or the ``.jsonl`` file itself.
+        path: The run's ``log_dir`` (its newest run's log, where several runs wrote there)
+            or the ``.jsonl`` file itself.
 
     Returns:
         The records in the order written; a torn last line (a crash mid-write) is skipped.
@@ -235,7 +278,13 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
     """
     file = log_path(path)
     records = []
-    lines = file.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise HookscopeError(
+            f"{str(file)!r} is not a hookscope log: it is not UTF-8 text (byte {exc.start} "
+            f"is {exc.object[exc.start : exc.start + 1]!r}); {HOOKSCOPE_LOG}."
+        ) from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue

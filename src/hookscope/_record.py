@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ._errors import HookscopeError
 from ._tree import describe, map_tensors
 
 __all__ = ["Keeper", "Record", "version"]
@@ -47,7 +49,17 @@ class Keeper:
         t._hs_version = version(t)  # an alias: remember its version to detect later changes
         return t
 
-    def value(self, obj: Any) -> Any:
+    def value(self, obj: Any, name: str | None = None) -> Any:
+        """``obj`` with each tensor kept (:meth:`tensor`); ``name``: the module it came from,
+        for the error about a generator, whose items no capture can keep."""
+        if _one_shot(obj):
+            where = f" of {name!r}" if name is not None else ""
+            raise HookscopeError(
+                f"a {type(obj).__name__} is among the values{where}: its items exist only as "
+                "the caller iterates it, so a capture could keep only an exhausted iterator "
+                "(or would take the caller's items).\nFix: have the module return a list or a "
+                "tuple (`return list(items)`), or capture the modules that make each item."
+            )
         return map_tensors(self.tensor, obj)
 
 
@@ -101,3 +113,12 @@ class Record:
         from ._notebook import record_html
 
         return record_html(self, describe)
+
+
+def _one_shot(obj: Any) -> bool:
+    """A generator, or another iterator that is its own iterator (``map``, ``zip``), at the
+    top of a value or one level inside a tuple, list or dict."""
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return any(
+        isinstance(x, Iterator) and not isinstance(x, torch.Tensor) for x in (obj, *items)
+    )

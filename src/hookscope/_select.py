@@ -16,6 +16,7 @@ from typing import Union
 from torch import nn
 
 from ._errors import SelectionError
+from ._inputs import check_chosen, check_model
 
 __all__ = ["Where", "select"]
 
@@ -39,6 +40,8 @@ def select(model: nn.Module, where: Where) -> dict[str, nn.Module]:
         SelectionError: If nothing matched, or an exact name in a list does not exist. The
             message names the closest real names.
         TypeError: If ``where`` is none of the accepted forms.
+        UnsupportedModelError: If ``model`` is no ``nn.Module``, or a chosen module is
+            TorchScript (it runs no Python hook).
 
     Example:
         >>> import hookscope as hs, torch.nn as nn
@@ -48,11 +51,14 @@ def select(model: nn.Module, where: Where) -> dict[str, nn.Module]:
         >>> list(hs.select(model, "*"))
         ['0', '1', '2']
     """
+    check_model(model)
     modules = dict(model.named_modules())
     wanted = _match(modules, where, model)
     if not wanted:
         raise SelectionError(_nothing_matched(model, modules, where))
-    return {name: module for name, module in modules.items() if name in wanted}
+    chosen = {name: module for name, module in modules.items() if name in wanted}
+    check_chosen(chosen)
+    return chosen
 
 
 def _match(modules: dict[str, nn.Module], where: Where, model: nn.Module) -> set[str]:

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ._errors import HookscopeWarning, missing_extra
-from ._log import LOG_NAME, to_line
+from ._log import LOG_NAME, numbered, run_logs, run_number, to_line
+from ._paths import make_dir, unwritable
 
 __all__ = ["JsonlSink", "MemorySink", "Sink", "TensorBoardSink"]
 
@@ -45,14 +46,29 @@ class JsonlSink:
     """One JSON object per line, flushed as written: a crash leaves every finished step readable.
 
     NaN and infinities are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``.
+
+    ``path``: a directory (the log is ``hookscope.jsonl`` in it) or a ``.jsonl`` file. A file
+    another run wrote (or is writing) there is never truncated or shared: this run's log is
+    then the next free name, ``hookscope-2.jsonl``, ``hookscope-3.jsonl``, ... (``self.path``),
+    which :func:`hookscope.read_log` and :func:`hookscope.report` read for the directory.
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        if self.path.suffix != ".jsonl":
-            self.path = self.path / LOG_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("w", encoding="utf-8")
+        first = Path(path)
+        if first.suffix != ".jsonl":
+            first = first / LOG_NAME
+        make_dir(first.parent, "the log")
+        taken = [run_number(p) for p in run_logs(first.parent, first.name)]
+        n = max(taken, default=0) + 1
+        while True:  # created here, never opened over another run's file (nor a racing one's)
+            self.path = numbered(first, n)
+            try:
+                self._file = self.path.open("x", encoding="utf-8")
+                break
+            except FileExistsError:
+                n += 1
+            except OSError as exc:
+                raise unwritable(self.path, "the log", exc) from None
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(to_line(record) + "\n")

@@ -32,8 +32,9 @@ from .._errors import (
 )
 from .._format import progress_bar
 from .._hooks import check_not_compiled
+from .._paths import make_dir
 from .._select import Where, select
-from .._tree import describe
+from .._tree import describe, tensors
 from ._batch import device_of, inputs
 from ._features import Features, ModuleOutputs
 from ._format import (
@@ -82,7 +83,8 @@ def extract_dataset(
     Each module must return one row per data-set row, batch-first, with the same shape for every
     batch. A module returning a tuple, dict or ``ModelOutput`` gives its first tensor (the hidden
     states, for Hugging Face blocks). Call again after a crash, Ctrl-C or kill: the committed
-    batches are skipped, and the files end up identical to those of an uninterrupted run. Under
+    batches are skipped (those of a shard not yet full when it stopped are computed again), and
+    the files end up identical to those of an uninterrupted run. Under
     ``torch.distributed`` each rank writes its own files (``rank{k}-...``).
 
     Args:
@@ -197,6 +199,8 @@ class _Run:
 
     # -- before computing anything: resume, or start afresh ---------------------------------
     def prepare(self) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            make_dir(self.out, "the features", "out=")  # the error for a file in the way
         if self.files["manifest"].exists():
             self._resume()
         else:
@@ -211,7 +215,7 @@ class _Run:
                     f"({', '.join(foreign[:3])}), so it was left untouched.\n"
                     "Fix: pass a new or empty directory as `out`."
                 )
-        self.out.mkdir(parents=True, exist_ok=True)
+        make_dir(self.out, "the features", "out=")
         for p in self.out.iterdir():  # a start that died before its manifest: ours to redo
             if re.match(rf"^\.?rank{self.rank}[.-]", p.name):
                 p.unlink()
@@ -332,7 +336,12 @@ class _Run:
             with self.features.attached():
                 for b, batch, index in self._batches(start):
                     args, kwargs = inputs(batch, device)
-                    found, pending = self.features(batch, args, kwargs)
+                    try:
+                        found, pending = self.features(batch, args, kwargs)
+                    except Exception as exc:
+                        if tensors(batch):
+                            raise  # the model's own error, on a batch of tensors
+                        raise HookscopeError(_no_tensor(self.verb, b, batch, exc)) from exc
                     feats = self._check(found, names, index)
                     rows = feats[0].shape[0]
                     index = torch.arange(row, row + rows) if index is None else index
@@ -359,9 +368,16 @@ class _Run:
             if writer is None and done is not None:  # everything was committed already
                 writer = self._writer(keys, buffer_bytes)
             if writer is not None:
-                if shard is not None:
+                # A stopped pass keeps its full shards (committed); the batches of a shard
+                # that a further batch could still join are computed again on resuming, so
+                # that a resumed extraction ends with the same files as an uninterrupted one.
+                if shard is not None and (done is not None or self._full(shard)):
                     writer.put(shard)
-                writer.close(done)  # a stopped pass keeps what is computed: it is committed
+                writer.close(done)
+
+    def _full(self, shard: Shard) -> bool:
+        """No further batch (of at least one row) fits in ``shard``."""
+        return self.manifest is not None and shard.rows >= self.manifest["shard_rows"]
 
     def _check(
         self, found: dict[str, torch.Tensor], names: list[str], index: torch.Tensor | None
@@ -420,6 +436,17 @@ class _Run:
             "versions": {"torch": torch.__version__, "safetensors": safetensors.__version__},
         }
         write_json(self.files["manifest"], self.manifest)
+
+
+def _no_tensor(verb: str, b: int, batch: Any, exc: Exception) -> str:
+    """The model failed on a batch that holds no tensor (a list of strings, say)."""
+    return (
+        f"{verb}: batch {b} of the loader holds no tensor ({describe(batch)}), and "
+        f"the model failed on it: {type(exc).__name__}: {exc}.\nFix: give a loader of "
+        "tensors: a batch is a tensor (model(x)), a tuple or list whose first item is the "
+        "input ((x, y) loaders), or a dict of keyword arguments (model(**batch)); tokenize "
+        "text in the data set or in a collate_fn."
+    )
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from torch import nn
 
 from .._compat import require
 from .._diagnose import Diagnosis, Finding, Graph, Thresholds
+from .._errors import HookscopeError, HookscopeWarning
 from .._hooks import eager_model
 from .._log import StepRecord
 from .._select import Where, select
@@ -31,6 +33,7 @@ from .._sinks import Sink
 from ._buffer import Host
 from ._decide import nonfinite_error
 from ._dist import RankInfo
+from ._lifetime import Lifetime, check_materialized, idle_message
 from ._options import (
     batch_list,
     check_batch_indices,
@@ -75,6 +78,8 @@ class Monitor:
 
     Args:
         model: The model. Hooks are removed by ``close()`` or at the end of a ``with`` block.
+            One Monitor per model: a new one on a model that has one open (a notebook cell
+            run again) closes the earlier one.
         where: Modules to watch; by default every leaf module (``hs.Tap`` included; the
             model itself when it has no children).
         every: Sample statistics every ``every`` steps (step 0 is sampled); ``None``: only
@@ -84,7 +89,10 @@ class Monitor:
             weights whole around the optimizer step, for exact update ratios). The
             non-finite check always reads every element.
         log_dir: Directory for ``hookscope.jsonl`` (and TensorBoard events when tensorboard
-            is installed); ``None`` keeps records in memory only (``mon.records``).
+            is installed); ``None`` keeps records in memory only (``mon.records``). A log
+            an earlier run left there is kept: this run writes ``hookscope-2.jsonl`` (and
+            ``tensorboard-2/``), the next ``-3``, ...; ``mon.log_path`` says which, and
+            ``hs.report(log_dir)`` reads the newest.
         optimizer: An optimizer to adopt now (optional: optimizers are found by themselves).
         on_nonfinite: What to do when a NaN/Inf appears. ``"log"``: a finding, training
             goes on. ``"raise"``: :class:`hs.NonFiniteError`, naming the module where it
@@ -194,6 +202,8 @@ class Monitor:
         # DDP, torch.compile: name modules as the model they wrap (no "module.", "_orig_mod.");
         # a model compiled already is traced again, with a warning.
         model = eager_model(model, "Monitor")
+        check_materialized(model)  # a meta-device model holds no values to measure
+        self._lifetime = Lifetime(model)  # one open Monitor per model (``_lifetime.py``)
         self.rank, world, self._coll = ranks(sync)
         self._world = self._coll.world if self._coll is not None else 1  # combined ranks
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
@@ -241,6 +251,7 @@ class Monitor:
             self.close()
             raise
         self._out.header(type(model).__name__, watched, shapes, config, world)
+        self._lifetime.take(self)  # a Monitor still open on this model is closed
 
     def _wire(
         self,
@@ -319,8 +330,12 @@ class Monitor:
 
         Returns the findings first seen at this step.
         """
+        if self._lifetime.closed:
+            raise HookscopeError(self._lifetime.closed_message(self.step_count))
         check_batch_indices(batch_indices)
         s, step = self._now, self.step_count
+        if not scalars and self._idle(s):
+            warnings.warn(idle_message(step, type(self._model).__name__), HookscopeWarning, 2)
         record, host, info = self._measure(s, scalars)
         scale = record.scalars.get("grad_scale")
         found, poisoned = self._decision.at_step(s, host, info, step, self.findings, scale)
@@ -349,6 +364,15 @@ class Monitor:
         if self.on_nonfinite == "raise" and s.nonfinite is not None and s.nonfinite in new:
             raise nonfinite_error(s.nonfinite)
         return s.early + new
+
+    def _idle(self, s: StepState) -> bool:
+        """Nothing of the model ran this step (said once per Monitor)."""
+        if s.hooks_ran or s.backward_ran or s.updates or self._lifetime.told_idle:
+            return False
+        if any(p.grad is not None for p in self._model.parameters()):
+            return False
+        self._lifetime.told_idle = True
+        return True
 
     def _measure(
         self, s: StepState, scalars: dict[str, Any]
@@ -413,6 +437,13 @@ class Monitor:
         self._out.write({"type": type, "step": self.step_count, **fields})
 
     @property
+    def log_path(self) -> Path | None:
+        """The JSON-lines log this Monitor writes: ``log_dir/hookscope.jsonl``, or
+        ``hookscope-<n>.jsonl`` where ``log_dir`` already held a run's log (``None``
+        without ``log_dir``)."""
+        return self._out.log_path
+
+    @property
     def records(self) -> list[dict[str, Any]]:
         """Every record written so far (also without ``log_dir``)."""
         return self._out.memory.records
@@ -426,6 +457,7 @@ class Monitor:
     def close(self) -> None:
         """Remove every hook (global optimizer hooks included) and close the sinks. Safe to
         call more than once."""
+        self._lifetime.release(self)
         if self._wiring is not None:
             self._wiring.close()
         self._out.close()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._diagnose import Diagnosis, Finding, mark_cleared
-from .._log import LOG_NAME, Cleared, Event, Header
+from .._log import LOG_NAME, Cleared, Event, Header, run_number
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
 from .._version import __version__
 from ._dist import Collective
@@ -51,15 +51,23 @@ class Output:
         self._diagnosis, self._rank, self._coll = diagnosis, rank, coll
         self._record_dir, self._record_on, self._bundle = record_dir, record_on, bundle
         self._recorded: set[str] = set()  # the kinds a bundle was written for
+        self.log_path: Path | None = None  # the JSON-lines log this process writes
 
     def open(self, log_dir: str | Path | None) -> None:
-        """The JSON-lines log and TensorBoard (when installed) under ``log_dir``."""
+        """The JSON-lines log and TensorBoard (when installed) under ``log_dir``. A log
+        another run left (or writes) there is kept: this run's is ``hookscope-<n>.jsonl``,
+        its TensorBoard events in ``tensorboard-<n>/`` (a run of their own in TensorBoard,
+        whose steps would otherwise overwrite the first run's)."""
         if self._coll is None and self._rank is not None and log_dir is not None:
             log_dir = Path(log_dir) / f"rank{self._rank}"
         if log_dir is not None and (self._coll is None or self._coll.rank == 0):
-            self.sinks.append(JsonlSink(Path(log_dir) / LOG_NAME))
+            jsonl = JsonlSink(Path(log_dir) / LOG_NAME)
+            self.sinks.append(jsonl)
+            self.log_path = jsonl.path
+            n = run_number(jsonl.path)
+            events = Path(log_dir) if n == 1 else Path(log_dir) / f"tensorboard-{n}"
             with contextlib.suppress(ImportError):
-                self.sinks.append(TensorBoardSink(log_dir))
+                self.sinks.append(TensorBoardSink(events))
 
     def header(
         self,

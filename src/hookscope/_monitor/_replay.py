@@ -29,7 +29,7 @@ from .._tree import tensors
 from .._version import __version__
 from ._trace import Call, Origin, trace
 
-__all__ = ["Replay", "replay", "write_bundle"]
+__all__ = ["Replay", "check_bundle", "replay", "write_bundle"]
 
 BUNDLE_JSON = "bundle.json"
 TENSORS = "tensors.safetensors"
@@ -194,14 +194,7 @@ def replay(
     Returns:
         A :class:`Replay` with the traced findings and whether the outputs match.
     """
-    path = Path(bundle)
-    meta_file = path / BUNDLE_JSON
-    if not meta_file.is_file():
-        raise HookscopeError(
-            f"no replay bundle at {str(path)!r}: expected a directory holding {BUNDLE_JSON} "
-            "and tensors.safetensors, as written by hs.Monitor(model, record_dir=DIR)"
-        )
-    meta = json.loads(meta_file.read_text())
+    path, meta = check_bundle(bundle)
     store = _safetensors().load_file(str(path / TENSORS))
     state = {k.removeprefix("model/"): v for k, v in store.items() if k.startswith("model/")}
     try:
@@ -221,6 +214,28 @@ def replay(
     matches = _outputs_match(meta["calls"], store, outputs)
     findings = [] if origin is None else [origin.refine(recorded, cheap_check=False)]
     return Replay(findings, matches, recorded, origin)
+
+
+def check_bundle(bundle: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The bundle's directory and its metadata, or an error saying what is missing: checked
+    before anything is built for it (``hookscope replay`` builds the model after this)."""
+    path = Path(bundle)
+    meta_file = path / BUNDLE_JSON
+    expected = (
+        f"expected a directory holding {BUNDLE_JSON} and {TENSORS}, as written by "
+        "hs.Monitor(model, record_dir=DIR)"
+    )
+    if not meta_file.is_file():
+        raise HookscopeError(f"no replay bundle at {str(path)!r}: {expected}")
+    if not (path / TENSORS).is_file():
+        raise HookscopeError(f"the replay bundle at {str(path)!r} has no {TENSORS}: {expected}")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HookscopeError(f"{str(meta_file)!r} is not a replay bundle's JSON ({exc})") from None
+    if not isinstance(meta, dict) or not {"calls", "finding", "model"} <= set(meta):
+        raise HookscopeError(f"{str(meta_file)!r} is not a replay bundle's metadata: {expected}")
+    return path, meta
 
 
 def _call(

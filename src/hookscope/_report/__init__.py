@@ -17,6 +17,7 @@ from html import escape
 from pathlib import Path
 
 from .._errors import HookscopeError
+from .._log import report_name
 from ._data import Run, load_run
 from ._html import page
 from ._sections import SECTIONS, Section
@@ -40,7 +41,8 @@ def report(log_dir: str | Path | Sequence[str | Path], out: str | Path | None = 
             or a list of them, to overlay the runs on the same charts (before and after a
             change, eager and compiled, fp32 and bf16). :func:`hookscope.compare` says
             where two runs first part.
-        out: Where to write; defaults to ``report.html`` next to the log (for several
+        out: Where to write; defaults to ``report.html`` next to the log
+            (``report-<n>.html`` for a later run's ``hookscope-<n>.jsonl``; for several
             logs, ``runs.html`` next to the first).
 
     Returns:
@@ -67,7 +69,7 @@ def report(log_dir: str | Path | Sequence[str | Path], out: str | Path | None = 
         raise ValueError("report() needs at least one log directory")
     runs = [load_run(d) for d in dirs]
     _name_runs(runs)
-    default = "runs.html" if many else "report.html"
+    default = "runs.html" if many else report_name(runs[0].path)  # report-2.html: 2nd run's
     target = Path(out) if out is not None else runs[0].path.parent / default
     built = [(s, _build(s, runs, many)) for s in SECTIONS]
     body = [_HELP if any(r.steps for r in runs) else ""] + [part for _, part in built]

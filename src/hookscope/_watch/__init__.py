@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .._log import LOG_NAME
+from .._log import run_logs
+from .._paths import check_writable
 from ._settings import ENV, Settings
 
 __all__ = ["BOOT", "ENV", "Settings", "child_env", "watch"]
@@ -61,10 +62,12 @@ def watch(
 
     Logs go to ``out`` (the first model) and ``out/<ModelClass>/`` (any further one), each with
     its ``report.html``. ``stream`` receives the progress lines (default: stderr), the step
-    reached every ``interval`` seconds.
+    reached every ``interval`` seconds. Raises :class:`HookscopeError` before the command
+    starts when ``out`` cannot be written.
     """
     stream = sys.stderr if stream is None else stream
     out = Path(out).resolve()
+    check_writable(out, "the logs", "--out ")  # before the command runs, not unwatched after
     settings = Settings(str(out), every, list(where) if where else None, on_nonfinite)
     progress = _Progress(out, stream, interval)
     with _Forward() as forward:
@@ -212,7 +215,12 @@ class _Progress:
         self._shown = (time.monotonic(), 0)  # when the step count was last shown, and what
 
     def _candidates(self) -> list[Path]:
-        return [self.out / LOG_NAME, *sorted(self.out.glob(f"*/{LOG_NAME}"))]
+        """Every run log under ``out`` and its model folders (an earlier run's among them:
+        this run's logs are those that change, ``hookscope-2.jsonl`` beside it)."""
+        found = run_logs(self.out)
+        for folder in sorted(p for p in self.out.glob("*") if p.is_dir()):
+            found += run_logs(folder)
+        return found
 
     def poll(self) -> None:
         for path in self._candidates():
@@ -262,7 +270,7 @@ class _Progress:
         for log in self.logs.values():
             count = len(log.findings)
             try:
-                where = f"report: {_shorten(report(log.path.parent))}"
+                where = f"report: {_shorten(report(log.path))}"
             except Exception as exc:  # a log cut short before its header, say
                 where = f"no report ({type(exc).__name__}: {exc})"
             self.say(f"{log.model}: {_steps(log)}, {count} finding{'s' * (count != 1)} -> {where}")

@@ -70,6 +70,7 @@ from .._errors import NonFiniteError
 from .._hooks import HookSet
 from .._monitor import Monitor
 from .._monitor._calls import listen, loss_of
+from .._monitor._lifetime import open_monitor
 from .._monitor._optim import unwrap
 from ._closer import Closer, die
 from ._find import owns, scan, trained_by_hand
@@ -234,6 +235,12 @@ class Agent:
 
     def _watch(self, model: nn.Module, once: HookSet | None = None) -> _Watched | None:
         """Attach a Monitor to ``model``; ``once``: hooks to remove after this step."""
+        if open_monitor(model) is not None:  # the script's own hs.Monitor: left alone
+            sys.stderr.write(
+                f"hookscope watch: not watching {type(model).__name__}: the script watches it "
+                "with its own hs.Monitor\n"
+            )
+            return None
         self._install_exit_handlers()
         log_dir = self._log_dir(model)
         try:

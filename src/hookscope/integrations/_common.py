@@ -14,7 +14,6 @@ from typing import Any
 
 from .._diagnose import Thresholds
 from .._errors import HookscopeWarning, did_you_mean
-from .._log import LOG_NAME
 from .._monitor import Monitor, monitor_options
 from .._report import report
 
@@ -123,10 +122,11 @@ def close_and_report(monitor: Monitor, log_dir: str | Path | None, *, write: boo
     its log. A report that fails warns instead of raising: the training run itself is done,
     and the report can be written again from the log."""
     monitor.close()
-    if not write or log_dir is None or not (Path(log_dir) / LOG_NAME).is_file():
+    log = monitor.log_path  # this run's (hookscope-<n>.jsonl beside an earlier run's log)
+    if not write or log_dir is None or log is None or log.parent != Path(log_dir):
         return None
     try:
-        return report(log_dir)
+        return report(log)
     except Exception as exc:
         warnings.warn(
             f"hookscope could not write the report of {str(log_dir)!r} ({exc!r}). The log is "
