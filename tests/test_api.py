@@ -21,6 +21,8 @@ CONTRACT = [
     "report",
     "explain",
     "Explanation",
+    "explain_dataset",
+    "Probe",
 ]
 
 

@@ -40,6 +40,8 @@ _WHERE = {
     "UnsupportedModelError": "._errors",
     "Explanation": "._explain",
     "explain": "._explain",
+    "explain_dataset": "._explain._dataset",
+    "Probe": "._explain._probe",
     "extract": "._extract",
     "LogitLens": "._interp",
     "Patching": "._interp",
@@ -89,6 +91,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._errors import UnsupportedModelError as UnsupportedModelError
     from ._explain import Explanation as Explanation
     from ._explain import explain as explain
+    from ._explain._dataset import explain_dataset as explain_dataset
+    from ._explain._probe import Probe as Probe
     from ._extract import extract as extract
     from ._hooks import Site as Site
     from ._interp import LogitLens as LogitLens
@@ -149,6 +153,7 @@ __all__ = [
     "NoGradWarning",
     "NonFiniteError",
     "Patching",
+    "Probe",
     "Record",
     "Replay",
     "SelectionError",
@@ -163,6 +168,7 @@ __all__ = [
     "capture",
     "compare",
     "explain",
+    "explain_dataset",
     "extract",
     "extract_dataset",
     "intervene",

@@ -64,8 +64,13 @@ def differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
         out.append(f"where: the store has {stored['where']}, this call chose {now['where']}")
     # dtype, world_size, and what another verb stores besides (explain_dataset's method)
     for key in sorted((set(stored) | set(now)) - {"model", "where", "data"}):
-        if stored.get(key) != now.get(key):
-            out.append(f"{key}: the store has {stored.get(key)}, this call has {now.get(key)}")
+        a, b = stored.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):  # explain: {method, target, ...}
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != b.get(k):
+                    out.append(f"{k}: the store has {a.get(k)!r}, this call has {b.get(k)!r}")
+        elif a != b:
+            out.append(f"{key}: the store has {a}, this call has {b}")
     for key in ("rows", "batches", "dataset_len"):
         a, b = stored["data"].get(key), now["data"].get(key)
         if a is not None and b is not None and a != b:

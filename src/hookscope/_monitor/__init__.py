@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from ._lifetime import Lifetime, check_materialized, idle_message
 from ._options import (
     batch_list,
     check_batch_indices,
+    check_explain,
     check_options,
     check_record_dir,
     is_leaf,
@@ -51,6 +52,9 @@ from ._signals import SkipList
 from ._step import StepState
 from ._warnings import Warnings
 from ._wiring import Wiring
+
+if TYPE_CHECKING:
+    from .._explain._probe import Probe, ProbeRun
 
 __all__ = ["Monitor"]
 
@@ -139,6 +143,10 @@ class Monitor:
             (``overflow``), ``amax`` and ``dynamic_range`` (``log2`` of the largest over the
             smallest non-zero magnitude), in the step record's ``precision`` group; findings
             ``precision_underflow`` and ``precision_overflow`` (``_precision.py``).
+        explain: A :class:`hs.Probe`: a fixed batch explained (``hs.explain``) at
+            ``step()`` of every ``probe.every``-th step, in eval mode with the model put back
+            exactly as it was (the run is bit-identical without it), logged as ``explain``
+            records and shown in the report's *Explanations* part.
 
     Checks of invariants run on every Monitor (``_checks/``): ``not_updated``,
     ``stale_gradients``, ``eval_randomness``, ``eval_mismatch``, ``autocast_skipped``, and
@@ -194,6 +202,7 @@ class Monitor:
         replicated: Where | None = None,
         precision: Sequence[str] = (),
         skip_list: str | Path | None = None,
+        explain: Probe | None = None,
         **threshold_overrides: float,
     ) -> None:
         require("hs.Monitor")  # torch>=2.7, with a message that says so
@@ -208,6 +217,7 @@ class Monitor:
         self._world = self._coll.world if self._coll is not None else 1  # combined ranks
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
         self.modules: dict[str, nn.Module] = select(model, where if where is not None else is_leaf)
+        self._explain = None if explain is None else check_explain(explain).bind(model)
         self.step_count = 0
         self._model = model
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
@@ -360,6 +370,8 @@ class Monitor:
         skipped = s.skip_message(step, scale, adopted=bool(self._optim.adopted))
         if skipped is not None:
             self._out.event(step, "skipped_step", skipped)
+        if self._explain is not None and self._explain.due(step):
+            self._explained(self._explain, step)
         self._end_step()
         if self.on_nonfinite == "raise" and s.nonfinite is not None and s.nonfinite in new:
             raise nonfinite_error(s.nonfinite)
@@ -402,6 +414,17 @@ class Monitor:
         if self._skip is not None:
             self._skip.add(record.step, spike.finding.value, batch_list(batch_indices))
         return [spike.finding]
+
+    def _explained(self, probe: ProbeRun, step: int) -> None:
+        """The probe's explanations (``hs.Probe``), run with the Monitor's hooks paused (no
+        statistic, check or tape sees them) and written after the step's record."""
+        self._tape.paused = True
+        try:
+            records = probe.records(step)
+        finally:
+            self._tape.paused = False
+        for record in records:
+            self._out.write(record)
 
     def _bundle(self, finding: Finding, before_update: bool) -> Path:
         """The flight recorder's replay bundle for ``finding`` (``_replay.py``)."""

@@ -19,6 +19,7 @@ from ._dist import Collective
 __all__ = [
     "batch_list",
     "check_batch_indices",
+    "check_explain",
     "check_options",
     "check_record_dir",
     "device_of",
@@ -43,6 +44,18 @@ def check_options(every: int | None, on_nonfinite: str, log_dir: str | Path | No
             f"log_dir={str(log_dir)!r} is a file, not a directory.\nFix: pass a directory "
             "for the run's log (it is created when missing), e.g. log_dir='runs/exp1'."
         )
+
+
+def check_explain(explain: Any) -> Any:
+    """``explain=`` is an ``hs.Probe`` (imported here, only when one is given)."""
+    from .._explain._probe import Probe
+
+    if not isinstance(explain, Probe):
+        raise TypeError(
+            f"Monitor(explain=...) takes an hs.Probe, got {type(explain).__name__}. Fix: "
+            "explain=hs.Probe(images, where='layer4', every=100)."
+        )
+    return explain
 
 
 def check_record_dir(record_dir: str | Path | None, sharded: bool) -> None:
