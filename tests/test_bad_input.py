@@ -465,3 +465,18 @@ def test_extract_dataset_keeps_a_full_shard_when_interrupted(tmp_path: Path) -> 
         json.loads(line) for line in (tmp_path / "rank0.ledger.jsonl").read_text().splitlines()
     ]
     assert [e["batches"] for e in ledger] == [[0, 4]]
+
+
+# -- intervene ---------------------------------------------------------------------------------
+
+
+def test_an_edit_that_does_not_take_value_and_site_is_refused_before_any_hook() -> None:
+    model = _mlp()
+    before = _state(model)
+    with pytest.raises(TypeError, match=r"<lambda>\(out\), cannot be called as fn\(value, site\)"):
+        hs.intervene(model, "0", lambda out: out * 0)
+    _unchanged(model, before)
+    x = torch.randn(2, 8)
+    with hs.intervene(model, "1", lambda *args: None):  # *args takes both: accepted
+        y = model(x)
+    torch.testing.assert_close(y, model(x))

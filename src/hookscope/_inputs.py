@@ -7,6 +7,7 @@ would record nothing (and torch refuses hooks on scripted ones outright).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 
 from ._errors import UnsupportedModelError
 
-__all__ = ["check_chosen", "check_model"]
+__all__ = ["check_chosen", "check_edit", "check_model"]
 
 
 def check_model(model: Any, verb: str | None = None) -> None:
@@ -51,3 +52,23 @@ _SCRIPT = (
     "into the Python class if you only have the TorchScript file); torch.compile(model) "
     "works with hookscope."
 )
+
+
+def check_edit(where: Any, fn: Any) -> None:
+    """An ``intervene`` edit must take ``(value, site)``: say so when it was made to take
+    something else, before any hook runs it (instead of Python's bare "takes 1 positional
+    argument but 2 were given" from inside the model's forward)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without one: it will tell for itself
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(
+            f"intervene: the edit for {where!r}, {name}{signature}, cannot be called as "
+            "fn(value, site).\nFix: take two arguments, the value and its Site (e.g. "
+            "`lambda out, site: out * 0`), and return None to keep the value or its "
+            "replacement."
+        ) from None

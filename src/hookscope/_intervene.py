@@ -23,6 +23,7 @@ from ._hooks import (
     in_backward_recompute,
     no_grad_in_model_message,
 )
+from ._inputs import check_edit
 from ._select import Where, select
 from ._tree import describe, same_structure
 
@@ -92,6 +93,7 @@ class Intervention:
         for where, fn in edits.items():
             if not callable(fn):
                 raise TypeError(f"intervene: the edit for {where!r} must be callable, got {fn!r}")
+            check_edit(where, fn)  # called as fn(value, site)
         model = eager_model(model, "intervene")  # compiled already: traced again, with a warning
         plan: dict[str, list[EditFn]] = {}
         for where, fn in edits.items():
