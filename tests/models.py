@@ -52,6 +52,24 @@ def bert(**overrides: object) -> nn.Module:
     return BertModel(BertConfig(**config)).eval()
 
 
+def vit(**overrides: object) -> nn.Module:
+    """A tiny ``ViTForImageClassification`` in eval mode: 32x32 images in 8x8 patches (a
+    class token, then a 4x4 grid of tokens), 5 classes."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = dict(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=5,
+    )
+    config.update(overrides)
+    return ViTForImageClassification(ViTConfig(**config)).eval()
+
+
 def reformer() -> nn.Module:
     """A tiny ``ReformerModel`` (local and LSH attention) in training mode, dropout off.
 

@@ -65,7 +65,8 @@ def differences(stored: dict[str, Any], now: dict[str, Any]) -> list[str]:
     # dtype, world_size, and what another verb stores besides (explain_dataset's method)
     for key in sorted((set(stored) | set(now)) - {"model", "where", "data"}):
         a, b = stored.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):  # explain: {method, target, ...}
+        if isinstance(a, (dict, type(None))) and isinstance(b, (dict, type(None))):
+            a, b = a or {}, b or {}  # explain: {method, target, ...} (none: an extraction)
             for k in sorted(set(a) | set(b)):
                 if a.get(k) != b.get(k):
                     out.append(f"{k}: the store has {a.get(k)!r}, this call has {b.get(k)!r}")

@@ -203,11 +203,16 @@ class _Maps:
         explained = explain_batch(
             self.model, inputs, self.chosen, self.method, target, **self.options
         )
-        found = {name: maps[-1].detach().cpu() for name, maps in explained.maps.items()}
-        found["score"] = explained.score.detach().cpu()
+        found = {name: _host(maps[-1]) for name, maps in explained.maps.items()}
+        found["score"] = _host(explained.score)
         if explained.target is not None:
-            found["target"] = explained.target.detach().cpu().long()
+            found["target"] = _host(explained.target.long())
         return found, False
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """On the CPU, contiguous (a score is a column of the logits: a strided view)."""
+    return t.detach().cpu().contiguous()
 
 
 def _label(batch: Any) -> torch.Tensor:
