@@ -176,8 +176,9 @@ OWN_MONITOR = """
 import torch, torch.nn as nn, hookscope as hs
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+{before}
 with hs.Monitor(model, every=1, log_dir={log!r}) as mon:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    {after}
     for step in range(5):
         loss = model(torch.randn(8, 4)).pow(2).mean()
         opt.zero_grad(); loss.backward(); opt.step(); mon.step()
@@ -185,15 +186,24 @@ print("own", len([r for r in mon.records if r["type"] == "step"]))
 """
 
 
+@pytest.mark.parametrize("optimizer", ["after", "before"])  # made after or before its Monitor
 def test_watch_leaves_a_model_the_script_monitors_itself_alone(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], optimizer: str
 ) -> None:
+    make = "opt = torch.optim.SGD(model.parameters(), lr=0.1)"
     script = tmp_path / "own.py"
-    script.write_text(OWN_MONITOR.format(log=str(tmp_path / "own")))
+    script.write_text(
+        OWN_MONITOR.format(
+            log=str(tmp_path / "own"),
+            before=make if optimizer == "before" else "",
+            after=make if optimizer == "after" else "pass",
+        )
+    )
     assert main(["watch", "--out", str(tmp_path / "out"), "--", sys.executable, str(script)]) == 0
     out, err = capfd.readouterr()
-    assert out == "own 5\n"
+    assert out == "own 5\n", err
     assert "the script watches it with its own hs.Monitor" in err
+    assert "Traceback" not in err and "HookscopeError" not in err
     assert _steps(tmp_path / "own") == list(range(5))
 
 

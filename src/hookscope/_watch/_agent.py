@@ -317,6 +317,13 @@ class Agent:
     def _end_step(self, w: _Watched) -> None:
         w.stepped = weakref.WeakSet()
         w.backward = False
+        if open_monitor(w.model) is not w.monitor:  # the script made its own: it replaced ours
+            w.broken = True
+            sys.stderr.write(
+                f"hookscope watch: stopped watching {type(w.model).__name__}: the script "
+                "watches it with its own hs.Monitor from here on\n"
+            )
+            return
         self._busy = True
         try:
             w.monitor.step(**_first_loss(w))
