@@ -83,6 +83,7 @@ class Diagnosis:
             step, scalars, updates, self._gradients.suspect, grad_total=grad_total
         )
         judged = self._training.judged
+        self._logits.loss(step, scalars.get("loss"))
         self._lifecycle.track(step, found, "step", lambda _: judged)
         return found
 

@@ -118,6 +118,10 @@ class Thresholds:
             logits of order 50 and above; Wortsman et al. 2023, "Small-scale proxies for
             large-scale transformer training instabilities"); a healthy network's logits
             stay at a few units, and their slow drift over training is not a doubling.
+            Not while the loss falls by a tenth or more over that span: a model that learns
+            sharpens its attention (a small nanoGPT-like run: logits 5 -> 128 while its
+            loss fell 4.2 -> 0.5); the growth that precedes divergence comes with a loss
+            that stalls or rises.
     """
 
     dead_unit: float = 0.7

@@ -123,7 +123,7 @@ class EvalMismatch:
         self._calls: dict[str, int] = {}
         self._pending: dict[str, torch.Tensor] = {}  # module -> (sum of squares, n, absmax)
         self._names: list[str] = []  # modules with statistics in this step's buffer
-        self._eval: dict[str, float] = {}  # module -> RMS in the last evaluation
+        self._eval: dict[str, float] = {}  # module -> RMS in the evaluation just read
         self._train: dict[str, float] = {}  # module -> RMS on the last sampled training step
         self._next_step = 0
         self._crossed: set[str] = set()  # modules judged apart so far
@@ -159,15 +159,21 @@ class EvalMismatch:
         return []
 
     def read(self, host: Host, record: StepRecord) -> list[Finding]:
+        """Each evaluation is judged once, when it is read, against the training statistics
+        of the same step, or else of the latest sampled step before it: the weights it ran
+        with, or the nearest before (never an old evaluation against training many updates
+        later: an evaluation at step 0 is no measure of the model three large updates on)."""
         step = record.step
         self._next_step = step + 1
-        if self._names:
-            self._write(step, {n: host[("eval", n)] for n in self._names if ("eval", n) in host})
         if record.sampled and record.training:
             for name, s in record.act.items():
                 rms = math.hypot(s["mean"], s["std"])
                 if math.isfinite(rms):
                     self._train[name] = rms
+        if not self._names:
+            return []
+        self._eval = {}
+        self._write(step, {n: host[("eval", n)] for n in self._names if ("eval", n) in host})
         crossing = [f for name in self._eval if (f := self._judge(name, step)) is not None]
         new = [f for f in crossing if f.module not in self._crossed]
         self._crossed.update(f.module for f in crossing)
