@@ -29,6 +29,8 @@ class Run:
     feature_maps: list[dict[str, Any]] = field(default_factory=list)
     windows: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    explanations: list[dict[str, Any]] = field(default_factory=list)  # hs.Probe's maps
+    explain_probe: dict[str, Any] | None = None  # its images
     summary: dict[str, Any] | None = None
     name: str = ""
 
@@ -202,4 +204,8 @@ def load_run(log_dir: str | Path) -> Run:
             run.evals.append(rec)
         elif kind == "summary":
             run.summary = rec
+        elif kind == "explain":
+            run.explanations.append(rec)
+        elif kind == "explain_probe":
+            run.explain_probe = rec
     return run

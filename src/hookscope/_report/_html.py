@@ -71,6 +71,8 @@ nav{font-size:13px;margin:10px 0 0} nav a{color:#9cc8f0;margin-right:14px;text-d
 .heat canvas{display:block;cursor:crosshair}
 .tip{position:absolute;display:none;background:#1d2430;color:#fff;font-size:11px;padding:3px 6px;border-radius:3px;pointer-events:none;white-space:nowrap;z-index:5}
 .maps canvas{margin:2px;image-rendering:pixelated} .maps{margin:8px 0}
+table.explain-strip td,table.explain-strip th{border:0;padding:1px 2px;text-align:center;font-weight:400;background:none}
+table.explain-strip canvas{display:block} .explain-class{font-size:10px;color:#5b6573}
 .nan{background:#fdecea;border:1px solid #f1b0a8;padding:8px 12px;border-radius:4px;font-size:13px}
 .run-label{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:4px}
 .help{color:#5b6573;font-size:12px;margin:0 0 6px}

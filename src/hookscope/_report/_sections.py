@@ -17,6 +17,7 @@ from html import escape
 from typing import Any
 
 from ._data import Run
+from ._explain import explanations, explanations_data
 from ._html import HINTS, section, summary_table, table
 
 __all__ = ["SECTIONS", "Section"]
@@ -357,6 +358,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("windows", "", _windows),
     Section("modules", "Per module", _modules),
     Section("evals", "Evaluation", _evals),
+    Section("explanations", "Explanations", explanations, data=explanations_data),
     Section("heatmaps", "Layers × steps", _heatmaps),
     Section("feature-maps", "Feature maps", _feature_maps),
     Section("summary", "Summary", _one(_summary), per_run=True),

@@ -563,6 +563,113 @@
     }));
   }
 
+  // -- explanations: a probe's heatmaps over training (Monitor(explain=hs.Probe(...))) -------
+  // Per module, one row per probe image: the image, then at each explained step its map
+  // upsampled (bilinear) to the picture's size, coloured (jet, as hs.explain's overlays)
+  // and blended half and half on the image.
+  function jet(t) {
+    const c = (k) => Math.round(255 * Math.min(1, Math.max(0, 1.5 - Math.abs(4 * t - k))));
+    return [c(3), c(2), c(1)];
+  }
+  function bilinear(cells, rows, cols, H, W) {
+    const out = new Float32Array(H * W);
+    for (let y = 0; y < H; y++) {
+      const sy = Math.min(rows - 1, Math.max(0, ((y + 0.5) * rows) / H - 0.5));
+      const y0 = Math.floor(sy), y1 = Math.min(rows - 1, y0 + 1), fy = sy - y0;
+      for (let x = 0; x < W; x++) {
+        const sx = Math.min(cols - 1, Math.max(0, ((x + 0.5) * cols) / W - 0.5));
+        const x0 = Math.floor(sx), x1 = Math.min(cols - 1, x0 + 1), fx = sx - x0;
+        const top = cells[y0 * cols + x0] * (1 - fx) + cells[y0 * cols + x1] * fx;
+        const bottom = cells[y1 * cols + x0] * (1 - fx) + cells[y1 * cols + x1] * fx;
+        out[y * W + x] = (top * (1 - fy) + bottom * fy) / 255;
+      }
+    }
+    return out;
+  }
+  function picture(W, H, title, pixel) {
+    const c = document.createElement("canvas");
+    c.width = W; c.height = H; c.title = title;
+    const ctx = c.getContext("2d");
+    const img = ctx.createImageData(W, H);
+    for (let i = 0; i < W * H; i++) {
+      const rgb = pixel(i);
+      img.data[4 * i] = rgb[0]; img.data[4 * i + 1] = rgb[1]; img.data[4 * i + 2] = rgb[2]; img.data[4 * i + 3] = 255;
+    }
+    ctx.putImageData(img, 0, 0);
+    return c;
+  }
+  function drawExplanations() {
+    const el = document.getElementById("hs-explain");
+    if (!el) return;
+    RUNS.forEach((r) => {
+      const e = r.explanations;
+      if (!e) return;
+      const im = e.image;
+      const W = 72, H = im ? Math.max(8, Math.round((72 * im.h) / im.w)) : 72;
+      // The probe images at the picture's size (bilinear), as RGB in 0..1.
+      const images = [];
+      if (im) {
+        const px = bytes(im.data);
+        for (let n = 0; n < im.n; n++) {
+          const chans = [0, 1, 2].map((k) => {
+            const plane = new Uint8Array(im.h * im.w);
+            for (let i = 0; i < im.h * im.w; i++) plane[i] = px[(n * im.h * im.w + i) * im.c + (im.c === 3 ? k : 0)];
+            return bilinear(plane, im.h, im.w, H, W);
+          });
+          images.push(chans);
+        }
+      }
+      for (const m of e.modules) {
+        const head = document.createElement("h3");
+        head.textContent = (RUNS.length > 1 ? r.label + ": " : "") + m.module + " \u00b7 " + m.method + " \u00b7 " + m.steps.length + " steps";
+        el.appendChild(head);
+        const tbl = document.createElement("table");
+        tbl.className = "explain-strip";
+        const top = tbl.insertRow();
+        const corner = document.createElement("th");
+        corner.textContent = im ? "image" : "";
+        top.appendChild(corner);
+        for (const s of m.steps) {
+          const th = document.createElement("th");
+          th.textContent = "step " + s;
+          top.appendChild(th);
+        }
+        const [rows, cols] = m.grid;
+        const maps = m.maps.map(bytes);
+        const n = maps.length ? maps[0].length / (rows * cols) : 0;
+        for (let i = 0; i < n; i++) {
+          const tr = tbl.insertRow();
+          const first = tr.insertCell();
+          if (im && images[i]) {
+            const [R, G, B] = images[i];
+            first.appendChild(picture(W, H, "probe image " + i, (p) => [R[p] * 255, G[p] * 255, B[p] * 255]));
+          } else {
+            first.textContent = "#" + i;
+          }
+          m.steps.forEach((s, k) => {
+            const heat = bilinear(maps[k].subarray(i * rows * cols, (i + 1) * rows * cols), rows, cols, H, W);
+            const t = m.target[k], sc = m.score[k];
+            const title = "image " + i + " at step " + s + (t ? ": class " + t[i] : "") + (sc ? " (score " + fmt(sc[i]) + ")" : "");
+            const img = im && images[i];
+            const cell = tr.insertCell();
+            cell.appendChild(picture(W, H, title, (p) => {
+              const j = jet(heat[p]);
+              if (!img) return j;
+              return [0.5 * img[0][p] * 255 + 0.5 * j[0], 0.5 * img[1][p] * 255 + 0.5 * j[1], 0.5 * img[2][p] * 255 + 0.5 * j[2]];
+            }));
+            if (t) {
+              const label = document.createElement("div");
+              label.className = "explain-class";
+              label.textContent = "class " + t[i];
+              cell.appendChild(label);
+            }
+          });
+        }
+        el.appendChild(tbl);
+      }
+    });
+  }
+
   // -- around each loss spike: its own step range, so its own zoom and cursor ---------------
   function drawWindows() {
     const el = document.getElementById("hs-windows");
@@ -615,6 +722,7 @@
     windows: [drawWindows],
     modules: [drawModules],
     evals: [drawEvals],
+    explanations: [drawExplanations],
     heatmaps: [drawHeatmaps, drawHists],
     "feature-maps": [drawFeatureMaps],
   };
