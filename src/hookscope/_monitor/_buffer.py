@@ -110,14 +110,18 @@ class StepBuffer:
         first.
         """
         self.settle()
-        keys = [k for k in self._values if only is None or only(k)]
+        waiting, host = self._values, self._host
+        keys = list(waiting) if only is None else [k for k in waiting if only(k)]
         if keys:
-            values = [self._values[k] for k in keys]
-            for key, new in zip(keys, _to_lists(values), strict=True):
-                old = self._host.get(key)
-                self._host[key] = new if old is None else combine(self._reduce[key], old, new)
-                del self._values[key]
-        return self._host
+            for key, new in zip(keys, _to_lists([waiting[k] for k in keys]), strict=True):
+                old = host.get(key)
+                host[key] = new if old is None else combine(self._reduce[key], old, new)
+            if only is None:
+                waiting.clear()
+            else:
+                for key in keys:
+                    del waiting[key]
+        return host
 
 
 def _to_lists(values: list[torch.Tensor]) -> list[list[float]]:
@@ -127,7 +131,14 @@ def _to_lists(values: list[torch.Tensor]) -> list[list[float]]:
     step of an unrolled cell) are stacked in one call, and the other values concatenated
     per dtype, not converted one by one: the cost per value stays a small constant.
     """
-    device = next((v.device for v in values if v.device.type != "cpu"), values[0].device)
+    first = values[0]
+    if all(v.dim() == 0 and v.dtype is first.dtype and v.device == first.device for v in values):
+        # an unsampled step: its flags and scalars, in one stack (no float64 copy, no cat)
+        stacked = torch.stack(values)
+        return [
+            [v] for v in (stacked if stacked.is_floating_point() else stacked.double()).tolist()
+        ]
+    device = next((v.device for v in values if v.device.type != "cpu"), first.device)
     scalars = [i for i, v in enumerate(values) if v.dim() == 0]
     groups: dict[torch.dtype, list[int]] = {}
     for i, v in enumerate(values):
