@@ -3,18 +3,23 @@
 The training run is bit-identical with and without the probe (losses, weights, optimizer
 state, gradients, RNG, and every record the Monitor writes); the logged maps are hs.explain's
 at that step (quantized to uint8, at most 32 x 32), readable with hs.read_log; bad probes
-are refused when the Monitor is built, leaving no hook."""
+are refused when the Monitor is built, leaving no hook; the report's Explanations part
+carries the logged images and maps and draws them as overlays in Chromium, offline."""
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import hookscope as hs
+from _browser import CHROMIUM, Browser
 from hookscope._explain._probe import quantize
 from hookscope.testing import assert_no_hooks
 
@@ -192,3 +197,83 @@ def test_bad_probes_are_refused_when_the_monitor_is_built() -> None:
         hs.Probe(PROBE, "features.3", target=1.5)
     with pytest.raises(hs.ExplainError, match="at least one input tensor"):
         hs.Probe("images", "features.3")
+
+
+# -- the report's Explanations part ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def probed_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """20 steps, the probe explained at every one (more than the report's 16 columns)."""
+    log = tmp_path_factory.mktemp("probed")
+    probe = hs.Probe(PROBE, ["features.0", "features.3"], every=1, target=Y[:4])
+    train("adam", probe, steps=20, log_dir=log)
+    return log
+
+
+def _data(html: str) -> dict:
+    found = re.search(r'<script id="hs-data" type="application/json">(.*?)</script>', html, re.S)
+    assert found
+    return json.loads(found.group(1))
+
+
+def test_the_report_carries_the_logged_images_and_maps(probed_log: Path, tmp_path: Path) -> None:
+    html = hs.report(probed_log, tmp_path / "r.html").read_text()
+    assert '<a href="#explanations">Explanations</a>' in html
+    assert html.index('id="evals"') < html.index('id="explanations"') < html.index('id="heatmaps"')
+    part = _data(html)["runs"][0]["explanations"]
+    records = hs.read_log(probed_log)
+    head = next(r for r in records if r["type"] == "explain_probe")
+    image = part["image"]
+    assert (image["n"], image["h"], image["w"], image["c"]) == (4, 8, 8, 1)
+    pixels = np.frombuffer(base64.b64decode(image["data"]), np.uint8).reshape(4, 8, 8)
+    assert pixels.tolist() == head["images"]
+    assert [m["module"] for m in part["modules"]] == ["features.0", "features.3"]
+    for m in part["modules"]:
+        logged = {
+            r["step"]: r for r in records if r["type"] == "explain" and r["module"] == m["module"]
+        }
+        assert len(logged) == 20
+        assert len(m["steps"]) == 16 and m["steps"][0] == 0 and m["steps"][-1] == 19
+        assert m["steps"] == sorted(set(m["steps"]))
+        for step, b64, target in zip(m["steps"], m["maps"], m["target"], strict=True):
+            maps = np.frombuffer(base64.b64decode(b64), np.uint8).reshape(4, 8, 8)
+            assert maps.tolist() == logged[step]["maps"] and target == Y[:4].tolist()
+    # a run without a probe has no such part
+    plain = tmp_path / "plain"
+    train("adam", None, steps=2, log_dir=plain)
+    assert 'id="explanations"' not in hs.report(plain).read_text()
+
+
+browser = pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (make test installs it)")
+
+
+@pytest.mark.browser
+@browser
+def test_the_explanations_render_as_overlays_in_chromium(probed_log: Path, tmp_path: Path) -> None:
+    page = hs.report(probed_log, tmp_path / "r.html")
+    with Browser(tmp_path / "profile", 1300, 1000) as b:
+        b.open(page)
+        assert b.console_errors == []
+        assert [u for u in b.requests if u != page.resolve().as_uri()] == []  # offline
+        strips = b.eval(
+            "[...document.querySelectorAll('#hs-explain table.explain-strip')].map(t => "
+            "[t.rows.length, t.rows[0].cells.length, t.querySelectorAll('canvas').length])"
+        )
+        assert strips == [[5, 17, 4 * 17]] * 2  # a header, 4 images x (image + 16 steps)
+        # Each canvas drawn (not blank), the overlays differ from the image and over steps.
+        pixels = b.eval(
+            """(() => {
+              const t = document.querySelector('#hs-explain table.explain-strip');
+              const sum = (c) => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                let s = [0, 0, 0]; for (let i = 0; i < d.length; i += 4) { s[0] += d[i]; s[1] += d[i + 1]; s[2] += d[i + 2]; }
+                return s; };
+              return [...t.rows[1].querySelectorAll('canvas')].map(c => [c.width, c.height, c.title, sum(c)]);
+            })()"""
+        )
+    assert all(w == 72 and h == 72 for w, h, _, _ in pixels)
+    image, overlays = pixels[0], pixels[1:]
+    assert image[2] == "probe image 0" and image[3][0] == image[3][1] == image[3][2] > 0  # grey
+    assert all(o[3] != image[3] and sum(o[3]) > 0 for o in overlays)  # jet colours on it
+    assert len({tuple(o[3]) for o in overlays}) > 8  # the maps change as the model learns
+    assert overlays[0][2].startswith("image 0 at step 0: class ")
