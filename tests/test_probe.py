@@ -199,6 +199,17 @@ def test_bad_probes_are_refused_when_the_monitor_is_built() -> None:
         hs.Probe("images", "features.3")
 
 
+def test_a_probe_that_fails_warns_once_and_training_goes_on() -> None:
+    bad = hs.Probe(PROBE, where="features.3", every=5, target=12)  # the model has 10 classes
+    with pytest.warns(hs.HookscopeWarning, match="at step 0 failed.*TargetError") as told:
+        run = train("sgd", bad, steps=12)
+    assert len([w for w in told if "hs.Probe" in str(w.message)]) == 1
+    failed = [r for r in run["records"] if r.get("kind") == "explain_failed"]
+    assert [r["step"] for r in failed] == [0, 5, 10]
+    assert "out of range" in failed[0]["message"]
+    assert run["losses"] == train("sgd", None, steps=12)["losses"]
+
+
 # -- the report's Explanations part ---------------------------------------------------------------
 
 

@@ -22,12 +22,15 @@ Log records (kept small: maps at most 32 x 32, images at most 64 x 64, as uint8 
 from __future__ import annotations
 
 import numbers
+import warnings
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._errors import ExplainError
+from .._errors import ExplainError, HookscopeWarning
+from .._log import Event
 from .._select import Where, select
 from ._inputs import Inputs
 from ._png import to_rgb
@@ -130,6 +133,7 @@ class ProbeRun:
         self.modules = select(model, probe.where)
         self._moved: tuple[torch.device, Inputs] | None = None
         self._told = False  # the explain_probe record is written before the first explain one
+        self._warned = False
 
     def due(self, step: int) -> bool:
         return self.probe.due(step)
@@ -144,7 +148,22 @@ class ProbeRun:
 
     def records(self, step: int) -> list[dict[str, Any]]:
         """Explain the probe now; its log records (``explain_probe`` the first time, then one
-        ``explain`` per module)."""
+        ``explain`` per module). A probe that fails does not stop training (a watched run
+        never fails where the bare one does not): an ``explain_failed`` event is logged, with
+        a ``HookscopeWarning`` the first time."""
+        try:
+            return self._records(step)
+        except Exception as exc:
+            message = (
+                f"hs.Probe: explaining the probe at step {step} failed ({type(exc).__name__}: "
+                f"{exc}); training goes on, without this step's explanation"
+            )
+            if not self._warned:
+                self._warned = True
+                warnings.warn(message, HookscopeWarning, stacklevel=4)
+            return [asdict(Event(step, "explain_failed", message))]
+
+    def _records(self, step: int) -> list[dict[str, Any]]:
         p = self.probe
         inputs = self._inputs()
         explained = explain_batch(self.model, inputs, self.modules, p.method, p.target, **p.options)
@@ -194,6 +213,8 @@ def quantize(grid: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]
     larger; a 1-d grid is one row, a deeper one averaged over its leading axes), each sample
     min-max scaled, with each sample's range before scaling."""
     m = grid.detach().float().cpu()
+    if m.dim() == 1:
+        m = m.unsqueeze(1)
     if m.dim() == 2:
         m = m.unsqueeze(1)
     while m.dim() > 3:
@@ -202,10 +223,12 @@ def quantize(grid: torch.Tensor) -> tuple[torch.Tensor, list[float], list[float]
     if h > MAP_SIZE or w > MAP_SIZE:
         m = nn.functional.adaptive_avg_pool2d(m.unsqueeze(1), (min(h, MAP_SIZE), min(w, MAP_SIZE)))
         m = m.squeeze(1)
-    flat = m.flatten(1)
-    low, high = flat.amin(1), flat.amax(1)
+    finite = m.isfinite()
+    flat, ok = m.flatten(1), finite.flatten(1)
+    low = torch.where(ok, flat, torch.inf).amin(1)  # over the finite values (none: inf, -inf)
+    high = torch.where(ok, flat, -torch.inf).amax(1)
     span = (high - low).view(-1, 1, 1)
-    scaled = torch.where(span > 0, (m - low.view(-1, 1, 1)) / span.clamp_min(1e-30), 0)
+    scaled = torch.where(finite & (span > 0), (m - low.view(-1, 1, 1)) / span.clamp_min(1e-30), 0)
     q = (scaled * 255).round().clamp(0, 255).to(torch.uint8)
     return q, low.tolist(), high.tolist()
 
