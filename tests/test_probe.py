@@ -256,6 +256,26 @@ def test_the_report_carries_the_logged_images_and_maps(probed_log: Path, tmp_pat
     assert 'id="explanations"' not in hs.report(plain).read_text()
 
 
+def test_the_demo_explains_one_test_digit_per_class_over_training(tmp_path: Path) -> None:
+    from hookscope._demo import load_digits, run_demo
+
+    result = run_demo(tmp_path / "demo", epochs=1, progress=False)
+    records = hs.read_log(result.log_dir)
+    head = next(r for r in records if r["type"] == "explain_probe")
+    _, _, x_test, y_test = load_digits(0)
+    firsts = [int((y_test == c).nonzero()[0, 0]) for c in range(10)]
+    assert head["modules"] == ["features.3"] and len(head["images"]) == 10
+    assert head["every"] == 45 // 8  # one epoch of 45 steps: about 8 explanations
+    explained = [r for r in records if r["type"] == "explain"]
+    assert [r["step"] for r in explained] == list(range(0, 45, 5))
+    assert all(r["grid"] == [8, 8] and len(r["maps"]) == 10 for r in explained)
+    # by the end, the model explains (predicts) most digits as their own class
+    assert sum(t == c for c, t in enumerate(explained[-1]["target"])) >= 8
+    pixels = torch.tensor(head["images"], dtype=torch.float32)
+    assert torch.equal(pixels.argmax(-1), x_test[firsts, 0].argmax(-1))  # the same digits
+    assert 'id="explanations"' in result.report.read_text()
+
+
 browser = pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (make test installs it)")
 
 

@@ -13,6 +13,10 @@ finding appears on the layer named in :data:`FAULTS`:
   1e6 / 1e-9 (an intervention at ``grad_output``, as a bad loss scale in one branch would),
   so its weights and every earlier layer see an exploding / vanishing gradient: the jump
   happens in ``classifier.1``'s backward, and the starved input side is ``features.0``.
+
+Every run also explains one test digit of each class at the last conv (``features.3``,
+Grad-CAM) about eight times over training (``Monitor(explain=hs.Probe(...))``): the report's
+*Explanations* part shows where the model looks as it learns.
 """
 
 from __future__ import annotations
@@ -106,6 +110,11 @@ def _fault_context(model: nn.Module, fault: str, step: int, nan_step: int) -> An
     return contextlib.nullcontext()
 
 
+def _one_per_class(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The first test digit of each class, in class order."""
+    return torch.stack([x[(y == c).nonzero()[0, 0]] for c in range(10) if (y == c).any()])
+
+
 def _log_input(args: tuple[torch.Tensor, ...], site: Any) -> tuple[torch.Tensor, ...]:
     """A log-compression of the second conv's output, a bug: the log of a negative is NaN."""
     (x,) = args
@@ -139,6 +148,7 @@ def run_demo(
 def _train(
     log_dir: Path, epochs: int, fault: str, seed: int, every: int, progress: bool
 ) -> DemoResult:
+    from ._explain._probe import Probe
     from ._extract import extract
     from ._monitor import Monitor
     from ._report import report
@@ -157,8 +167,14 @@ def _train(
     per_epoch = math.ceil(len(x_train) / batch)
     nan_step = per_epoch // 2
     model_summary = summary(model, x_train[:2])
-    # The Monitor finds the optimizer by itself and skips an update that would write a NaN.
-    mon = Monitor(model, every=every, log_dir=log_dir, on_nonfinite="skip")
+    # The Monitor finds the optimizer by itself and skips an update that would write a NaN;
+    # the probe explains one test digit per class at the last conv, ~8 times over training.
+    probe = Probe(
+        _one_per_class(x_test, y_test),
+        where="features.3",
+        every=max(1, epochs * per_epoch // 8),
+    )
+    mon = Monitor(model, every=every, log_dir=log_dir, on_nonfinite="skip", explain=probe)
     bar = progress_bar(
         progress, total=epochs * per_epoch, desc="training", unit="step", leave=False
     )
