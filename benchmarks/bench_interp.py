@@ -1,34 +1,50 @@
-"""A residual-stream patching sweep: hs.patching against the same sweep with raw hooks.
+"""A residual-stream patching sweep: hs.patching against raw hooks, nnsight and TransformerLens.
 
-The sweep: GPT2LMHeadModel(n_layer=6, n_embd=256, n_head=4, vocab_size=5000), one clean and
-one corrupted prompt of 32 tokens (differing at position 10), every block's output patched at
-every position: 6 x 32 = 192 patched runs, metric = the logit difference of two tokens at the
-last position. fp32 on the CPU.
+The sweep: GPT2LMHeadModel(n_layer=6, n_embd=256, n_head=4, vocab_size=5000), random
+weights, one clean and one corrupted prompt of 32 tokens (differing at position 10), every
+block's output patched at every position: 6 x 32 = 192 patched runs, metric = the logit
+difference of two tokens at the last position. fp32 on the CPU, ``torch.set_num_threads``
+fixed (``--threads``, default 1).
 
 Conditions, each timed as a whole sweep (clean cache included), paired and interleaved with
-the raw sweep it is compared with; the ratio is the median over pairs:
+the sweep it is compared with (alternating which goes first, one warm-up pair); the ratio is
+the median over pairs:
 
 - ``hs.patching(batch_size=32)`` (32 copies of the corrupted prompt per forward, one site
-  each) against the same batched sweep written with raw ``register_forward_hook`` calls;
+  each) against the same batched sweep written with raw ``register_forward_hook`` calls:
+  the hook cost alone (aim <= 1.1x);
 - ``hs.patching(batch_size=1)`` against the raw one-by-one sweep (192 forwards), the form a
   user writes first;
 - the default ``hs.patching`` (about 4,096 tokens per forward: 128 copies) against the raw
-  one-by-one sweep (what batching buys).
+  batched and one-by-one sweeps (what batching buys).
 
-Every result is checked against the raw sweep's (max abs difference printed).
+Peers, when importable (never installed with hookscope; a throwaway venv, see
+benchmarks/README.md), on copies of the same weights:
 
-    python benchmarks/bench_interp.py            # 5 pairs per condition
-    python benchmarks/bench_interp.py --quick    # 2 pairs
+- nnsight: ``NNsight(model).trace(...)`` with ``.output[rows, pos] = clean`` interventions,
+  at 32 copies per trace and one by one, against ``hs.patching`` at the same batch;
+- TransformerLens 4.x: ``TransformerBridge.boot_transformers(hf_model=..., tokenizer=...)``
+  over the local model (no download: a word-level tokenizer built here), ``run_with_cache``
+  then ``run_with_hooks`` on ``blocks.{i}.hook_out``. The bridge switches its model to eager
+  attention, so hs.patching is timed on an eager copy for these rows.
+
+Every result is checked against the raw one-by-one sweep (max abs difference printed).
+
+    python benchmarks/bench_interp.py                 # 5 pairs per row
+    python benchmarks/bench_interp.py --quick         # 2 pairs
+    python benchmarks/bench_interp.py --only peers    # the peer rows only
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from importlib import metadata
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -40,6 +56,8 @@ import hookscope as hs
 
 LAYERS, WIDTH, LENGTH, VOCAB, AT = 6, 256, 32, 5000, 10
 PER_FORWARD = 32
+
+Sweep = Callable[[], torch.Tensor]
 
 
 def build() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -67,6 +85,22 @@ def metric(output: object) -> torch.Tensor:
     return (logits[:, -1, 1] - logits[:, -1, 2]).sum()
 
 
+def chunks(per: int) -> list[list[tuple[int, int]]]:
+    """The 192 sites (block, position), ``per`` to a forward, in the result's order."""
+    sites = [(i, p) for i in range(LAYERS) for p in range(LENGTH)]
+    return [sites[k : k + per] for k in range(0, len(sites), per)]
+
+
+def by_block(chunk: list[tuple[int, int]]) -> dict[int, tuple[list[int], list[int]]]:
+    """For each block patched in ``chunk``: the copies (rows) and their positions."""
+    found: dict[int, tuple[list[int], list[int]]] = {}
+    for row, (block, pos) in enumerate(chunk):
+        rows, positions = found.setdefault(block, ([], []))
+        rows.append(row)
+        positions.append(pos)
+    return found
+
+
 def raw_sweep(
     model: nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, per: int
 ) -> torch.Tensor:
@@ -81,17 +115,11 @@ def raw_sweep(
         model(clean)
     for h in handles:
         h.remove()
-    sites = [(i, p) for i in range(len(blocks)) for p in range(LENGTH)]
-    out = torch.empty(len(sites))
+    out = []
     with torch.no_grad():
-        for start in range(0, len(sites), per):
-            chunk = sites[start : start + per]
+        for chunk in chunks(per):
             handles = []
-            for i in range(len(blocks)):
-                rows = [j for j, (b, _) in enumerate(chunk) if b == i]
-                if not rows:
-                    continue
-                pos = [chunk[j][1] for j in rows]
+            for i, (rows, pos) in by_block(chunk).items():
 
                 def patch(m: nn.Module, a: tuple, o: torch.Tensor, i=i, rows=rows, pos=pos):
                     o = o.clone()
@@ -102,21 +130,139 @@ def raw_sweep(
             logits = model(corrupted.repeat(len(chunk), 1)).logits
             for h in handles:
                 h.remove()
-            diff = logits[:, -1, 1] - logits[:, -1, 2]
-            out[start : start + len(chunk)] = diff
-    return out.view(len(blocks), LENGTH)
+            out.append(logits[:, -1, 1] - logits[:, -1, 2])
+    return torch.cat(out).view(LAYERS, LENGTH)
 
 
+def hs_sweep(
+    model: nn.Module, clean: torch.Tensor, corrupted: torch.Tensor, per: int | None
+) -> torch.Tensor:
+    return hs.patching(
+        model, clean, corrupted, "transformer.h.*", metric, batch_size=per, progress=False
+    ).as_tensor()
+
+
+# -- peers -----------------------------------------------------------------------------------
+def nnsight_sweep(
+    wrapped: object, clean: torch.Tensor, corrupted: torch.Tensor, per: int
+) -> torch.Tensor:
+    """The sweep as nnsight users write it: a saved clean trace, then patched traces."""
+    blocks = wrapped.transformer.h
+    with torch.no_grad(), wrapped.trace(clean):
+        cache = [blocks[i].output.clone() for i in range(LAYERS)]
+        cache.save()
+    out = []
+    for chunk in chunks(per):
+        patches = by_block(chunk)
+        with torch.no_grad(), wrapped.trace(corrupted.repeat(len(chunk), 1)):
+            for i, (rows, pos) in patches.items():  # in execution order
+                blocks[i].output[rows, pos] = cache[i][0, pos]
+            logits = wrapped.lm_head.output
+            diff = (logits[:, -1, 1] - logits[:, -1, 2]).save()
+        out.append(diff)
+    return torch.cat(out).view(LAYERS, LENGTH)
+
+
+def lens_sweep(
+    bridge: object, clean: torch.Tensor, corrupted: torch.Tensor, per: int
+) -> torch.Tensor:
+    """The sweep as TransformerLens users write it: run_with_cache, then run_with_hooks."""
+    names = {f"blocks.{i}.hook_out" for i in range(LAYERS)}
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(clean, names_filter=lambda name: name in names)
+    out = []
+    with torch.no_grad():
+        for chunk in chunks(per):
+            hooks = []
+            for i, (rows, pos) in by_block(chunk).items():
+                name = f"blocks.{i}.hook_out"
+
+                def patch(value, hook, name=name, rows=rows, pos=pos):
+                    value[rows, pos] = cache[name][0, pos]
+                    return value
+
+                hooks.append((name, patch))
+            logits = bridge.run_with_hooks(corrupted.repeat(len(chunk), 1), fwd_hooks=hooks)
+            out.append(logits[:, -1, 1] - logits[:, -1, 2])
+    return torch.cat(out).view(LAYERS, LENGTH)
+
+
+def word_tokenizer() -> object:
+    """A tokenizer over the model's vocabulary built here (the bridge wants one; no download)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {str(i): i for i in range(VOCAB)}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="0")),
+        bos_token="0",
+        eos_token="0",
+        pad_token="0",
+        unk_token="0",
+        name_or_path="local-word-level",
+        add_bos_token=True,
+    )
+
+
+def peers(model: nn.Module, clean: torch.Tensor, corrupted: torch.Tensor) -> list[tuple]:
+    """(label, ours, theirs, reference) for each peer that imports; notes printed for others."""
+    rows: list[tuple] = []
+    try:
+        from nnsight import NNsight
+    except ImportError as error:
+        print(f"nnsight: not importable ({error}); its rows are skipped")
+    else:
+        wrapped = NNsight(copy.deepcopy(model))
+        print(f"nnsight {metadata.version('nnsight')}: NNsight(copy of the model).trace")
+        reference = hs_sweep(model, clean, corrupted, 1)
+        for per in (PER_FORWARD, 1):
+            rows.append(
+                (
+                    f"hs.patching(batch_size={per}) / nnsight ({per} per trace)",
+                    lambda per=per: hs_sweep(model, clean, corrupted, per),
+                    lambda per=per: nnsight_sweep(wrapped, clean, corrupted, per),
+                    reference,
+                )
+            )
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError as error:
+        print(f"TransformerLens: not importable ({error}); its rows are skipped")
+    else:
+        bridge = TransformerBridge.boot_transformers(
+            "gpt2", hf_model=copy.deepcopy(model), tokenizer=word_tokenizer(), device="cpu"
+        )
+        bridge.eval()
+        eager = copy.deepcopy(model)
+        eager.set_attn_implementation("eager")  # what the bridge runs
+        print(
+            f"TransformerLens {metadata.version('transformer_lens')}: "
+            "TransformerBridge.boot_transformers(hf_model=copy, local tokenizer); "
+            "hs.patching on an eager-attention copy for these rows"
+        )
+        reference = hs_sweep(eager, clean, corrupted, 1)
+        for per in (PER_FORWARD, 1):
+            rows.append(
+                (
+                    f"hs.patching(batch_size={per}) / TransformerLens ({per} per run)",
+                    lambda per=per: hs_sweep(eager, clean, corrupted, per),
+                    lambda per=per: lens_sweep(bridge, clean, corrupted, per),
+                    reference,
+                )
+            )
+    return rows
+
+
+# -- timing ----------------------------------------------------------------------------------
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def paired(
-    a: Callable[[], object], b: Callable[[], object], pairs: int
-) -> tuple[float, float, float]:
-    """Median of a/b over interleaved pairs, and the median times."""
+def paired(a: Callable[[], object], b: Callable[[], object], pairs: int) -> tuple[float, ...]:
+    """Median of a/b over interleaved pairs (alternating which runs first), its min and max,
+    and the median times."""
     a(), b()  # warm-up
     ratios, ta, tb = [], [], []
     for k in range(pairs):
@@ -127,61 +273,68 @@ def paired(
         ta.append(x)
         tb.append(y)
         ratios.append(x / y)
-    return statistics.median(ratios), statistics.median(ta), statistics.median(tb)
+    return (
+        statistics.median(ratios),
+        min(ratios),
+        max(ratios),
+        statistics.median(ta),
+        statistics.median(tb),
+    )
+
+
+def report(label: str, a: Sweep, b: Sweep, pairs: int) -> None:
+    ratio, low, high, ta, tb = paired(a, b, pairs)
+    print(
+        f"{label:<58} {ratio:5.2f}x [{low:.2f}-{high:.2f}]  "
+        f"({ta * 1e3:7.0f} ms vs {tb * 1e3:7.0f} ms)",
+        flush=True,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 pairs per row")
+    parser.add_argument("--pairs", type=int, default=None, help="pairs per row (default 5)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", choices=("hs", "peers"), default=None)
     args = parser.parse_args()
-    pairs = 2 if args.quick else 5
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    pairs = args.pairs or (2 if args.quick else 5)
+    torch.set_num_threads(args.threads)
     model, clean, corrupted = build()
-    where = "transformer.h.*"
-
-    def ours(batch: int | None = None) -> torch.Tensor:
-        return hs.patching(
-            model, clean, corrupted, where, metric, batch_size=batch, progress=False
-        ).as_tensor()
-
-    reference = raw_sweep(model, clean, corrupted, 1)
-    for name, result in (
-        ("hs default", ours()),
-        ("hs batch_size=1", ours(1)),
-        ("raw batched", raw_sweep(model, clean, corrupted, PER_FORWARD)),
-    ):
-        print(
-            f"{name:>16}: max |diff| vs raw one-by-one {float((result - reference).abs().max()):.2e}"
-        )
     print(
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, {pairs} pairs"
+        f"torch {torch.__version__}, transformers {metadata.version('transformers')}, "
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{pairs} pairs per row (median [min-max] ratio, median times)",
+        flush=True,
     )
-    rows = [
-        (
-            "hs.patching(batch_size=32) / raw batched (32)",
-            lambda: ours(PER_FORWARD),
-            lambda: raw_sweep(model, clean, corrupted, PER_FORWARD),
-        ),
-        (
-            "hs.patching (default: 128) / raw batched (32)",
-            lambda: ours(),
-            lambda: raw_sweep(model, clean, corrupted, PER_FORWARD),
-        ),
-        (
-            "hs.patching(batch_size=1) / raw one by one",
-            lambda: ours(1),
-            lambda: raw_sweep(model, clean, corrupted, 1),
-        ),
-        (
-            "hs.patching (default: 128) / raw one by one",
-            lambda: ours(),
-            lambda: raw_sweep(model, clean, corrupted, 1),
-        ),
-    ]
-    for label, a, b in rows:
-        ratio, ta, tb = paired(a, b, pairs)
-        print(f"{label:<45} {ratio:5.2f}x  ({ta * 1e3:7.1f} ms vs {tb * 1e3:7.1f} ms)")
+    reference = raw_sweep(model, clean, corrupted, 1)
+
+    def check(
+        name: str, result: torch.Tensor, against: torch.Tensor = reference, what: str = "raw"
+    ) -> None:
+        diff = float((result - against).abs().max())
+        print(f"{name:>40}: max |diff| vs {what} one by one {diff:.1e}", flush=True)
+
+    if args.only != "peers":
+        check("hs.patching default", hs_sweep(model, clean, corrupted, None))
+        check("hs.patching(batch_size=32)", hs_sweep(model, clean, corrupted, PER_FORWARD))
+        check("hs.patching(batch_size=1)", hs_sweep(model, clean, corrupted, 1))
+        check("raw batched (32)", raw_sweep(model, clean, corrupted, PER_FORWARD))
+        raw32 = lambda: raw_sweep(model, clean, corrupted, PER_FORWARD)  # noqa: E731
+        raw1 = lambda: raw_sweep(model, clean, corrupted, 1)  # noqa: E731
+        for label, a, b in (
+            ("hs.patching(batch_size=32) / raw hooks batched (32)", PER_FORWARD, raw32),
+            ("hs.patching(batch_size=1) / raw hooks one by one", 1, raw1),
+            ("hs.patching (default: 128) / raw hooks batched (32)", None, raw32),
+            ("hs.patching (default: 128) / raw hooks one by one", None, raw1),
+        ):
+            report(label, lambda per=a: hs_sweep(model, clean, corrupted, per), b, pairs)
+    if args.only != "hs":
+        found = peers(model, clean, corrupted)
+        for label, _ours, theirs, against in found:
+            check(label.split(" / ")[1], theirs(), against, "hs.patching")
+        for label, ours, theirs, _ in found:
+            report(label, ours, theirs, pairs)
 
 
 if __name__ == "__main__":

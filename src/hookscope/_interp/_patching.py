@@ -413,18 +413,27 @@ class _Exact:
             grouped[key].append((j, site))
         for key, items in grouped.items():
             clean = self.clean[key]
-            device = clean.device
-            samples = torch.arange(n, device=device).repeat(len(items))
-            rows = torch.cat([torch.arange(j * n, (j + 1) * n, device=device) for j, _ in items])
             site = items[0][1]
-            pos = head = None
-            if site.position is not None:
-                pos = torch.tensor([s.position for _, s in items], device=device)
-                pos = pos.repeat_interleave(n)
-            if site.head is not None:
-                head = torch.tensor([s.head for _, s in items], device=device)
-                head = head.repeat_interleave(n)
             heads = self.rows.heads[site.row]
+            if len(items) == 1:  # one site: slices and ints, no index tensors to build
+                j = items[0][0]
+                rows: Any = slice(j * n, (j + 1) * n)
+                pos: Any = site.position
+                head: Any = site.head
+                samples: Any = slice(None)
+            else:
+                device = clean.device
+                copy = torch.tensor([j for j, _ in items], device=device)
+                samples = torch.arange(n, device=device)
+                rows = (copy[:, None] * n + samples).flatten()
+                samples = samples.repeat(len(items))
+                pos = head = None
+                if site.position is not None:
+                    pos = torch.tensor([s.position for _, s in items], device=device)
+                    pos = pos.repeat_interleave(n)
+                if site.head is not None:
+                    head = torch.tensor([s.head for _, s in items], device=device)
+                    head = head.repeat_interleave(n)
             source = _index(clean, heads, samples, pos, head)
             self.plan[key] = ((heads, rows, pos, head), source)
 
@@ -447,7 +456,10 @@ class _Exact:
         return new
 
 
-def _where(rows: torch.Tensor, pos: torch.Tensor | None, head: torch.Tensor | None) -> tuple:
+def _where(
+    rows: torch.Tensor | slice, pos: torch.Tensor | int | None, head: torch.Tensor | int | None
+) -> tuple:
+    """The index of the patched entries: tensors (several sites) or a slice and ints (one)."""
     index: tuple = (rows,)
     if pos is not None:
         index += (pos,)
@@ -459,9 +471,9 @@ def _where(rows: torch.Tensor, pos: torch.Tensor | None, head: torch.Tensor | No
 def _index(
     value: torch.Tensor,
     heads: int | None,
-    samples: torch.Tensor,
-    pos: torch.Tensor | None,
-    head: torch.Tensor | None,
+    samples: torch.Tensor | slice,
+    pos: torch.Tensor | int | None,
+    head: torch.Tensor | int | None,
 ) -> torch.Tensor:
     view = value.unflatten(-1, (heads, -1)) if heads else value
     return view[_where(samples, pos, head)]
