@@ -22,6 +22,7 @@ import hookscope as hs
 from _browser import CHROMIUM, Browser
 from hookscope._explain._probe import quantize
 from hookscope.testing import assert_no_hooks
+from models import vit
 
 
 class CNN(nn.Module):
@@ -168,6 +169,30 @@ def test_large_maps_and_images_are_logged_small() -> None:
     assert rec["grid"] == [32, 32] and torch.tensor(rec["maps"]).shape == (2, 32, 32)
     assert rec["target"] == [3, 3]
     assert len(json.dumps(rec)) < 2 * 32 * 32 * 4 + 1000  # uint8 lists: a few KiB
+
+
+def test_a_vit_probe_reads_its_token_grid_and_keeps_colour_images() -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = vit().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pictures = torch.rand(2, 3, 32, 32)
+    where = "vit.layers.1.layernorm_before"
+    probe = hs.Probe((), where, every=2, forward_kwargs={"pixel_values": pictures})
+    with hs.Monitor(model, explain=probe) as mon:
+        for _ in range(3):
+            out = model(pixel_values=torch.rand(4, 3, 32, 32), labels=torch.arange(4))
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        assert model.training  # put back in train mode after each probe
+    head, *explained = [r for r in mon.records if r["type"].startswith("explain")]
+    assert head["channels"] == 3 and head["size"] == [32, 32]
+    # images in [0, 1] are shown as they are (no rescaling)
+    shown = torch.tensor(head["images"], dtype=torch.uint8)
+    assert torch.equal(shown, (pictures.permute(0, 2, 3, 1) * 255).round().to(torch.uint8))
+    assert [(r["step"], r["grid"]) for r in explained] == [(0, [4, 4]), (2, [4, 4])]
 
 
 def test_quantize_scales_each_sample_and_keeps_its_range() -> None:
