@@ -394,3 +394,64 @@ def test_a_healthy_nanogpt_like_run_has_no_eval_mismatch_nor_logit_growth() -> N
     ]
     assert max(logits) > 50 and max(logits) > 10 * logits[5]  # attention sharpens
     assert [f.kind for f in mon.findings] == []
+
+
+# -- massive_activations: a whole outlier channel ---------------------------------------------
+
+
+def lm_run(model: nn.Module, outlier: bool, steps: int = 30) -> hs.Monitor:
+    """A language model trained ``steps`` steps (AdamW 1e-3, every=5) on random tokens; with
+    ``outlier``, output channel 5 of the first block's MLP projection is made x1000 before
+    every step (its weight column and bias entry), as the int8/fp8-breaking channels are."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with hs.Monitor(model, every=5) as mon:
+        for _ in range(steps):
+            if outlier:
+                proj = model.transformer.h[0].mlp.c_proj  # Conv1D: weight (in, out)
+                with torch.no_grad():
+                    scale = 1000.0 / proj.weight[:, 5].abs().max().clamp_min(1e-6)
+                    proj.weight[:, 5].mul_(scale * 0.05)
+                    proj.bias[5] = 0.0
+            ids = models.token_ids(4, 16)
+            out = model(ids, labels=ids) if hasattr(model, "lm_head") else model(ids)
+            loss = out.loss if hasattr(out, "loss") else out.last_hidden_state.pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    return mon
+
+
+def test_an_outlier_channel_is_massive_activations_on_its_module() -> None:
+    torch.manual_seed(0)
+    model = models.gpt2(2, n_embd=128).train()
+    mon = lm_run(model, outlier=True)
+    act = [r["act"]["transformer.h.0.mlp.c_proj"] for r in mon.records if r.get("act")][-1]
+    assert act["absmax_over_rms"] < 100  # the element rule cannot see it
+    assert act["channels"]["index"][0] == 5
+    assert act["channels"]["absmax"][0] > 100 * act["channels"]["absmax"][1]  # plain channel
+    found = kinds(mon, "massive_activations")
+    assert [f.module for f in found][:1] == ["transformer.h.0.mlp.c_proj"]
+    assert "channel 5 of" in found[0].message
+
+
+@pytest.mark.parametrize("build", ["gpt2", "bert"])
+def test_healthy_transformers_have_no_massive_activations(build) -> None:
+    torch.manual_seed(0)
+    model = (models.gpt2(2, n_embd=128) if build == "gpt2" else models.bert()).train()
+    mon = lm_run(model, outlier=False)
+    assert kinds(mon, "massive_activations") == []
+
+
+def test_a_healthy_cnn_has_no_massive_activations() -> None:
+    torch.manual_seed(0)
+    model = models.ResNet(width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with hs.Monitor(model, every=5) as mon:
+        for _ in range(30):
+            x, y = torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,))
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    assert kinds(mon, "massive_activations") == []

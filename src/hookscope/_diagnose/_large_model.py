@@ -21,31 +21,55 @@ LEARN_WINDOW = 5  # losses whose median stands for the loss at a step
 
 class MassiveActivations:
     """``massive_activations``: a module whose largest output stays ``massive`` times its RMS
-    or more for ``massive_span`` training steps."""
+    or more, or whose largest channel stays ``massive_channel`` times the median channel
+    (their largest magnitudes), for ``massive_span`` training steps.
+
+    Both: where a whole channel is the outlier (one output channel x1000, the kind that
+    breaks int8/fp8 per-tensor scales) it carries most of the RMS itself, so the largest
+    value over the RMS cannot pass ~sqrt(positions) (about 25 for 768 channels)."""
 
     def __init__(self, thresholds: Thresholds) -> None:
         self.t = thresholds
-        self._runs: dict[str, Run] = {}  # module -> run of absmax_over_rms above threshold
+        self._runs: dict[str, Run] = {}  # module -> run of massive outputs
 
     def check(self, step: int, act: dict[str, dict[str, float]]) -> list[Finding]:
         found = []
         for name, s in act.items():
             ratio = s.get("absmax_over_rms", math.nan)
+            channel = _channel_ratio(s)
             run = self._runs.setdefault(name, Run())
-            run.see(step, ratio >= self.t.massive)  # NaN: not massive
+            # NaN: not massive
+            run.see(step, ratio >= self.t.massive or channel >= self.t.massive_channel)
             if run.state and run.lasted(self.t.massive_span):
+                if not ratio >= self.t.massive:  # a whole channel, not a few values
+                    chans = s["channels"]
+                    what = (
+                        f"channel {chans['index'][0]} of {name!r} reaches {chans['absmax'][0]:.3g}"
+                        f", {channel:.0f}x the median channel's largest magnitude "
+                        f"({chans['median_absmax']:.3g}; kurtosis "
+                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}: a whole "
+                        "channel carries values hundreds of times the rest (an outlier "
+                        "channel, which a per-tensor int8/fp8 scale cannot represent beside "
+                        "the others)"
+                    )
+                    value = channel
+                else:
+                    what = (
+                        f"the largest output of {name!r} is {ratio:.0f}x its RMS (kurtosis "
+                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}"
+                        f"{_massive_channels(s, self.t.massive)}: a few channels carry values "
+                        "hundreds of times the rest"
+                    )
+                    value = ratio
                 found.append(
                     Finding(
                         "massive_activations",
                         name,
                         step,
-                        ratio,
-                        f"the largest output of {name!r} is {ratio:.0f}x its RMS (kurtosis "
-                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}"
-                        f"{_massive_channels(s, self.t.massive)}: a few "
-                        "channels carry values hundreds of times the rest, a known precursor "
-                        "of divergence and of low-precision overflow in transformers; check "
-                        "the normalisation before it, weight decay, or the learning rate",
+                        value,
+                        f"{what}, a known precursor of divergence and of low-precision "
+                        "overflow in transformers; check the normalisation before it, weight "
+                        "decay, or the learning rate",
                     )
                 )
         return found
@@ -125,3 +149,16 @@ def _massive_channels(stats: dict, massive: float) -> str:
     index = ", ".join(str(i) for i, _ in pairs)
     values = ", ".join(f"{v:.3g}" for _, v in pairs)
     return f", in channel{'s' if len(pairs) > 1 else ''} {index} (absmax {values})"
+
+
+def _channel_ratio(stats: dict) -> float:
+    """The largest channel's largest magnitude over the median channel's (NaN when the
+    output has fewer than 4 channels)."""
+    channels = stats.get("channels")
+    if not channels or not channels.get("absmax"):
+        return math.nan
+    typical = channels.get("median_absmax", math.nan)
+    shape_ok = len(channels["index"]) >= 4  # at least 4 channels (the top ones kept)
+    if not shape_ok or not typical > 0:
+        return math.nan
+    return channels["absmax"][0] / typical

@@ -100,6 +100,12 @@ class Thresholds:
             (two observations at least). Massive activations in LLMs reach thousands of times
             the median magnitude (Sun et al. 2024, "Massive activations in large language
             models"); the largest of 4096 normal values is about 4x their RMS.
+        massive_channel: ... or when a module's largest channel (its largest magnitude over
+            the sampled positions) is at least this multiple of the median channel's (a
+            whole outlier channel: it carries most of the RMS itself, so the ratio above
+            stays near sqrt(positions), ~25, even for a channel x1000; Dettmers et al.
+            2022, "LLM.int8()": outlier features 20x and more break int8 quantisation). A
+            channel of normal values differs from the median one by a few times.
         underflow / overflow / precision_span: with ``Monitor(precision=...)``,
             ``precision_underflow`` when more than ``underflow`` of a module's output or
             output-gradient values would round to zero in a dtype named, and
@@ -152,6 +158,7 @@ class Thresholds:
     spike_lead: int = 20
     massive: float = 100.0
     massive_span: int = 20
+    massive_channel: float = 100.0
     underflow: float = 0.1
     overflow: float = 0.0
     precision_span: int = 20

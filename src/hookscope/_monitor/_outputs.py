@@ -213,8 +213,16 @@ class Activations:
         chans = F.pad(chans, (0, pad), value=-1.0) if pad else chans
         top, index = chans.topk(TOP_CHANNELS, dim=1)
         kept = ~(top < 0)  # not padding (a NaN maximum is kept, as topk ranks it first)
+        # the typical channel's largest magnitude: the median over the channels that are
+        # not padding and not all zero (dead ReLU channels), for a whole outlier channel
+        typical = torch.where(chans > 0, chans, torch.nan).nanmedian(dim=1).values
         tops = torch.cat(
-            [torch.where(kept, top, 0.0), torch.where(kept, index, -1).to(top.dtype)], 1
+            [
+                torch.where(kept, top, 0.0),
+                torch.where(kept, index, -1).to(top.dtype),
+                typical.unsqueeze(1).to(top.dtype),
+            ],
+            1,
         )
         for name, row in zip(names, tops.unbind(0), strict=True):
             buf.set(("act_top", name), row)
@@ -231,7 +239,7 @@ class Activations:
                 Entry(("act_numel", name), 1, "sum"),
                 Entry(("act_dead", name), 1, "max"),
             ]
-            entries.append(Entry(("act_top", name), 2 * TOP_CHANNELS, from_rank0(rank)))
+            entries.append(Entry(("act_top", name), 2 * TOP_CHANNELS + 1, from_rank0(rank)))
             if self.bins:
                 entries.append(Entry(("act_hist", name), self.bins + 2, from_rank0(rank)))
         return entries
@@ -268,10 +276,16 @@ class Activations:
             if top is not None:
                 kept = [
                     (int(i), v)
-                    for v, i in zip(top[:TOP_CHANNELS], top[TOP_CHANNELS:], strict=True)
+                    for v, i in zip(
+                        top[:TOP_CHANNELS], top[TOP_CHANNELS : 2 * TOP_CHANNELS], strict=True
+                    )
                     if i >= 0
                 ]
-                stats["channels"] = {"index": [i for i, _ in kept], "absmax": [v for _, v in kept]}
+                stats["channels"] = {
+                    "index": [i for i, _ in kept],
+                    "absmax": [v for _, v in kept],
+                    "median_absmax": top[2 * TOP_CHANNELS],
+                }
             record.act[name] = stats
 
 
