@@ -455,3 +455,60 @@ def test_a_healthy_cnn_has_no_massive_activations() -> None:
             opt.zero_grad()
             mon.step()
     assert kinds(mon, "massive_activations") == []
+
+
+# -- check="edges" / "modules": a NaN the replay cannot reproduce ----------------------------
+
+
+class CountsCalls(nn.Module):
+    """A module with its own state: its training call number ``bad`` returns NaN (a replay of
+    the step calls it once more, and stays finite)."""
+
+    def __init__(self, bad: int) -> None:
+        super().__init__()
+        self.calls, self.bad = 0, bad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.bad:
+                return x * float("nan")
+        return x
+
+
+def stateful_run(check: str) -> hs.Monitor:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.ReLU(),
+        CountsCalls(bad=5),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 1),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hs.Monitor(model, every=10, check=check) as mon:
+        for _ in range(8):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    return mon
+
+
+def test_check_modules_names_the_stateful_module_without_a_replay() -> None:
+    mon = stateful_run("modules")
+    first = kinds(mon, "nonfinite")[0]
+    assert (first.module, first.step, first.phase) == ("2", 4, "forward")
+
+
+def test_check_edges_says_the_replay_did_not_reproduce_it_and_names_check_modules() -> None:
+    mon = stateful_run("edges")
+    first = kinds(mon, "nonfinite")[0]
+    assert first.step == 4
+    assert "did not reproduce" in first.message and 'check="modules"' in first.message
+
+
+def test_check_is_edges_or_modules() -> None:
+    with pytest.raises(ValueError, match="check must be 'edges'"):
+        hs.Monitor(nn.Linear(2, 2), check="everything")

@@ -38,6 +38,7 @@ from ._options import (
     batch_list,
     check_batch_indices,
     check_explain,
+    check_mode,
     check_options,
     check_record_dir,
     is_leaf,
@@ -98,6 +99,13 @@ class Monitor:
             ``tensorboard-2/``), the next ``-3``, ...; ``mon.log_path`` says which, and
             ``hs.report(log_dir)`` reads the newest.
         optimizer: An optimizer to adopt now (optional: optimizers are found by themselves).
+        check: Where the non-finite check looks on every step. ``"edges"`` (default): what
+            every NaN/Inf must reach (the model's inputs and outputs, the gradient reaching
+            them, every parameter's gradient); a replay of the failing step names the module
+            and op. ``"modules"``: every watched module's output and output gradient, so the
+            module is named from the step itself, also where a replay cannot reproduce it (a
+            module with its own state, a nondeterministic kernel), at a measured cost
+            (``benchmarks/README.md``).
         on_nonfinite: What to do when a NaN/Inf appears. ``"log"``: a finding, training
             goes on. ``"raise"``: :class:`hs.NonFiniteError`, naming the module where it
             first appeared, from ``optimizer.step()`` *before* the update (weights and
@@ -191,6 +199,7 @@ class Monitor:
         log_dir: str | Path | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         on_nonfinite: str = "log",
+        check: str = "edges",
         histograms: bool = False,
         bins: int = 32,
         sinks: Sequence[Sink] = (),
@@ -207,6 +216,7 @@ class Monitor:
     ) -> None:
         require("hs.Monitor")  # torch>=2.7, with a message that says so
         check_options(every, on_nonfinite, log_dir)
+        self.check = check_mode(check)
         self.thresholds = thresholds_from(thresholds, threshold_overrides, monitor_options)
         # DDP, torch.compile: name modules as the model they wrap (no "module.", "_orig_mod.");
         # a model compiled already is traced again, with a warning.
@@ -443,7 +453,7 @@ class Monitor:
         localise (``_decide.py``), once an optimizer is adopted: its check runs before the
         update, where a replay meets the step's own weights. Before that (a hand-written
         update runs before ``step()``), every module's output and gradient is checked."""
-        light = self._decision.light and bool(self._optim.adopted)
+        light = self.check == "edges" and self._decision.light and bool(self._optim.adopted)
         return StepState(sampled=self.sampled, light=light)
 
     def _end_step(self) -> None:

@@ -36,9 +36,11 @@ NOT_REPLAYED = (
     ". A replay of the step did not reproduce it, so no op is named: the weights or the "
     "model's state changed between the step's forward pass and the check before the update "
     "(e.g. weights perturbed in place and restored before optimizer.step(), as "
-    "sharpness-aware minimisation does, or an attribute the forward pass reads). Every "
-    "watched module's output is checked from the next step on, to name the module where it "
-    "starts"
+    "sharpness-aware minimisation does, or an attribute the forward pass reads, or a "
+    "module with its own state, such as a count of its calls, or a nondeterministic "
+    "kernel). Every watched module's output is checked from the next step on, to name the "
+    'module where it starts; Monitor(check="modules") (hookscope watch --check modules) '
+    "checks every module on every step and names it without a replay"
 )
 
 

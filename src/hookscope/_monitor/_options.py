@@ -46,6 +46,16 @@ def check_options(every: int | None, on_nonfinite: str, log_dir: str | Path | No
         )
 
 
+def check_mode(check: Any) -> str:
+    """``check=``: ``"edges"`` or ``"modules"`` (where the non-finite check looks)."""
+    if check not in ("edges", "modules"):
+        raise ValueError(
+            f"check must be 'edges' (the model's edges, a replay names the module) or "
+            f"'modules' (every module's output and gradient on every step), got {check!r}"
+        )
+    return check
+
+
 def check_explain(explain: Any) -> Any:
     """``explain=`` is an ``hs.Probe`` (imported here, only when one is given)."""
     from .._explain._probe import Probe
