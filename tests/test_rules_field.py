@@ -512,3 +512,43 @@ def test_check_edges_says_the_replay_did_not_reproduce_it_and_names_check_module
 def test_check_is_edges_or_modules() -> None:
     with pytest.raises(ValueError, match="check must be 'edges'"):
         hs.Monitor(nn.Linear(2, 2), check="everything")
+
+
+STATEFUL_SCRIPT = """
+import torch, torch.nn as nn
+
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * float("nan") if self.calls == 5 else x
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), CountsCalls(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(8):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_watch_check_modules_names_the_stateful_module(tmp_path: Path) -> None:
+    import json
+
+    from hookscope._cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text(STATEFUL_SCRIPT, encoding="utf-8")
+    out = tmp_path / "out"
+    code = main(
+        ["watch", "--out", str(out), "--check", "modules", "--", sys.executable, str(script)]
+    )
+    assert code == 0
+    lines = (out / "hookscope.jsonl").read_text(encoding="utf-8").splitlines()
+    found = [r for r in map(json.loads, lines) if r.get("type") == "finding"]
+    first = next(r for r in found if r["kind"] == "nonfinite")
+    assert (first["module"], first["step"]) == ("2", 4)

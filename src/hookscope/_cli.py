@@ -185,6 +185,14 @@ def _parser() -> _Parser:
         help="on a NaN/Inf: log it, raise NonFiniteError in the script, or skip that update "
         "(default: %(default)s)",
     )
+    wat.add_argument(
+        "--check",
+        choices=["edges", "modules"],
+        default="edges",
+        help="where the non-finite check looks on every step: the model's edges, a replay "
+        "naming the module (edges), or every module's output and gradient (modules: names "
+        "the module without a replay, at a cost; default: %(default)s)",
+    )
     wat.add_argument("command", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     wat.set_defaults(run=_watch, parser=wat)
     return root
@@ -333,6 +341,7 @@ def _watch(args: argparse.Namespace) -> int:
         every=args.every,
         where=args.where,
         on_nonfinite=args.on_nonfinite,
+        check=args.check,
     )
 
 

@@ -53,6 +53,7 @@ def watch(
     every: int | None = 10,
     where: Sequence[str] | None = None,
     on_nonfinite: str = "log",
+    check: str = "edges",
     stream: TextIO | None = None,
     interval: float = 10.0,
 ) -> int:
@@ -68,7 +69,7 @@ def watch(
     stream = sys.stderr if stream is None else stream
     out = Path(out).resolve()
     check_writable(out, "the logs", "--out ")  # before the command runs, not unwatched after
-    settings = Settings(str(out), every, list(where) if where else None, on_nonfinite)
+    settings = Settings(str(out), every, list(where) if where else None, on_nonfinite, check)
     progress = _Progress(out, stream, interval)
     with _Forward() as forward:
         try:

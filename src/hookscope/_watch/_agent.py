@@ -249,6 +249,7 @@ class Agent:
                 where=self.settings.where,
                 every=self.settings.every,
                 on_nonfinite=self.settings.on_nonfinite,
+                check=self.settings.check,
                 log_dir=log_dir,
             )
         except Exception as exc:  # a --where that matches nothing here, a compiled model

@@ -22,6 +22,7 @@ class Settings:
     every: int | None = 10
     where: list[str] | None = None
     on_nonfinite: str = "log"
+    check: str = "edges"
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
