@@ -552,3 +552,27 @@ def test_watch_check_modules_names_the_stateful_module(tmp_path: Path) -> None:
     found = [r for r in map(json.loads, lines) if r.get("type") == "finding"]
     first = next(r for r in found if r["kind"] == "nonfinite")
     assert (first["module"], first["step"]) == ("2", 4)
+
+
+# -- a NaN loss with finite gradients, made between the model and the loss --------------------
+
+
+@pytest.mark.parametrize("every", [None, 10])
+def test_a_nan_loss_made_after_the_model_is_a_nonfinite_finding(every) -> None:
+    torch.manual_seed(0)
+    model = models.ResNet(width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hs.Monitor(model, every=every) as mon:
+        for step in range(6):
+            logits = model(torch.randn(8, 3, 16, 16))
+            loss = nn.functional.cross_entropy(logits, torch.randint(0, 10, (8,)))
+            if step == 3:  # a training_step's extra term: NaN, and no gradient of its own
+                loss = loss + torch.log(torch.tensor(-1.0))
+            loss.backward()
+            assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # plain
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    (finding,) = kinds(mon, "nonfinite")
+    assert (finding.step, finding.module) == (3, "")
+    assert "made after the model" in finding.message

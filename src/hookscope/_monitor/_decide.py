@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -171,6 +172,32 @@ class NonFiniteDecision:
         if state.nonfinite is not None and not state.skipped:  # the update went ahead
             poisoned = self.poison.after_update(state.nonfinite, step)
         return found, poisoned
+
+    def loss_after_model(
+        self, state: StepState, step: int, loss: float | None, findings: list[Finding]
+    ) -> list[Finding]:
+        """A NaN/Inf loss in a step whose model stayed finite (its outputs, the gradient
+        reaching them and every parameter's gradient): made between the model and the
+        loss (a ``training_step`` adding a NaN constant, a reduction over an empty batch),
+        where no hook of the model sees it. Once per run (its key is the model's, ``""``),
+        and not after an earlier non-finite finding (weights it made NaN). No op or source
+        line: the code after the model runs outside its hooks and outside a replay."""
+        if loss is None or math.isfinite(loss) or state.nonfinite is not None:
+            return []
+        if state.heard.scaler_skips or state.heard.scaler_cause is not None:
+            return []  # a GradScaler overflow: the scaler's business
+        if any(f.kind == "nonfinite" for f in findings):
+            return []  # weights an earlier step made NaN: that finding says it
+
+        message = (
+            f"the loss is {loss} at step {step} while the model's outputs and every gradient "
+            "stayed finite: it was made after the model, in the code that computes the loss "
+            "from the model's outputs (a NaN/Inf constant or term with no gradient, a mean "
+            "over an empty selection, a log of zero). Training goes on with finite gradients, "
+            "but the logged loss and anything that reads it (schedulers, early stopping) are "
+            "wrong. Check that code with torch.isfinite on each term"
+        )
+        return [Finding("nonfinite", "", step, loss, message, phase="forward")]
 
     def with_overflow(self, nonfinite: Finding) -> list[Finding]:
         """``nonfinite``, after the exploding gradient it is the consequence of, if any."""
