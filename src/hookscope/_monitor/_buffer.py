@@ -74,6 +74,15 @@ class StepBuffer:
         self._values[key] = value.detach() if value.requires_grad else value
         self._reduce[key] = reduce
 
+    def set_many(self, keys: list[Hashable], values: list[torch.Tensor]) -> None:
+        """:meth:`set` each of ``keys`` to its value in ``values`` (detached, ``"sum"``)."""
+        host, store, reduce = self._host, self._values, self._reduce
+        for key, value in zip(keys, values, strict=True):
+            if host:
+                host.pop(key, None)
+            store[key] = value.detach() if value.requires_grad else value
+            reduce[key] = "sum"
+
     def __contains__(self, key: Hashable) -> bool:
         return key in self._values or key in self._host
 

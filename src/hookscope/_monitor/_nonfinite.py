@@ -8,6 +8,7 @@ first module whose output turned non-finite *from finite inputs* can be named.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -152,10 +153,12 @@ class NonFiniteTrail:
         a weight's gradient alone (an overflowing recurrent matmul). The norms, by name."""
         names = [n for n in names if params[n].grad is not None]
         self._params = params
-        found = dict(zip(names, norms([local(params[n].grad) for n in names], 2), strict=True))
-        for n, value in found.items():
-            self._add(buf, Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n), value)
-        return found
+        values = norms([local(params[n].grad) for n in names], 2)
+        flags = _param_flags(tuple(names))
+        start = len(self.flags)
+        self.flags.extend(flags)
+        buf.set_many([("flag", i) for i in range(start, start + len(flags))], values)
+        return dict(zip(names, values, strict=True))
 
     def _overflowed(self, flag: Flag, value: float) -> bool:
         """Whether an infinite L2 norm of a gradient is only its float32 sum of squares
@@ -263,6 +266,13 @@ class NonFiniteTrail:
             "forward",
             f"forward: the inputs of {_who(name)} were NaN/Inf at step {step} (check the data)",
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _param_flags(names: tuple[str, ...]) -> tuple[Flag, ...]:
+    """The "param" flags of gradients ``names``, built once per set of names (an optimizer
+    steps the same parameters every step)."""
+    return tuple(Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n) for n in names)
 
 
 def _nan_flag(t: torch.Tensor) -> torch.Tensor:
