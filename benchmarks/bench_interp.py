@@ -8,7 +8,8 @@ fixed (``--threads``, default 1).
 
 Conditions, each timed as a whole sweep (clean cache included), paired and interleaved with
 the sweep it is compared with (alternating which goes first, one warm-up pair); the ratio is
-the median over pairs:
+the median over pairs, of the process's CPU time (one thread on a shared machine: time the
+process was not scheduled does not count) and of wall-clock time:
 
 - ``hs.patching(batch_size=32)`` (32 copies of the corrupted prompt per forward, one site
   each) against the same batched sweep written with raw ``register_forward_hook`` calls:
@@ -254,39 +255,45 @@ def peers(model: nn.Module, clean: torch.Tensor, corrupted: torch.Tensor) -> lis
 
 
 # -- timing ----------------------------------------------------------------------------------
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (the process's, all threads) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def paired(a: Callable[[], object], b: Callable[[], object], pairs: int) -> tuple[float, ...]:
-    """Median of a/b over interleaved pairs (alternating which runs first), its min and max,
-    and the median times."""
+def paired(a: Callable[[], object], b: Callable[[], object], pairs: int) -> dict[str, tuple]:
+    """For CPU and wall time: the median of a/b over interleaved pairs (alternating which
+    runs first), its min and max, and the median times of a and b."""
     a(), b()  # warm-up
-    ratios, ta, tb = [], [], []
+    times: list[tuple[tuple[float, float], tuple[float, float]]] = []
     for k in range(pairs):
         if k % 2:
             x, y = timed(a), timed(b)
         else:
             y, x = timed(b), timed(a)
-        ta.append(x)
-        tb.append(y)
-        ratios.append(x / y)
-    return (
-        statistics.median(ratios),
-        min(ratios),
-        max(ratios),
-        statistics.median(ta),
-        statistics.median(tb),
-    )
+        times.append((x, y))
+    found = {}
+    for clock, c in (("cpu", 1), ("wall", 0)):
+        ratios = [x[c] / y[c] for x, y in times]
+        found[clock] = (
+            statistics.median(ratios),
+            min(ratios),
+            max(ratios),
+            statistics.median(x[c] for x, _ in times),
+            statistics.median(y[c] for _, y in times),
+        )
+    return found
 
 
 def report(label: str, a: Sweep, b: Sweep, pairs: int) -> None:
-    ratio, low, high, ta, tb = paired(a, b, pairs)
+    found = paired(a, b, pairs)
+    ratio, low, high, ta, tb = found["cpu"]
+    wall = found["wall"]
     print(
-        f"{label:<58} {ratio:5.2f}x [{low:.2f}-{high:.2f}]  "
-        f"({ta * 1e3:7.0f} ms vs {tb * 1e3:7.0f} ms)",
+        f"{label:<58} cpu {ratio:4.2f}x [{low:.2f}-{high:.2f}] "
+        f"({ta * 1e3:5.0f} vs {tb * 1e3:5.0f} ms)  wall {wall[0]:4.2f}x [{wall[1]:.2f}-"
+        f"{wall[2]:.2f}] ({wall[3] * 1e3:5.0f} vs {wall[4] * 1e3:5.0f} ms)",
         flush=True,
     )
 
@@ -304,7 +311,8 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, transformers {metadata.version('transformers')}, "
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"{pairs} pairs per row (median [min-max] ratio, median times)",
+        f"{pairs} pairs per row: the median ratio [min-max] of CPU and of wall-clock time, "
+        "and the median times",
         flush=True,
     )
     reference = raw_sweep(model, clean, corrupted, 1)
