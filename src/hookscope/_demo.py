@@ -9,10 +9,13 @@ finding appears on the layer named in :data:`FAULTS`:
   training loop does.
 - ``dead``: ``features.4`` (the second BatchNorm) gets a shift of -20, so the ReLU after it
   (``features.5``) never fires again.
-- ``explode`` / ``vanish``: the gradient reaching ``classifier.1``'s output is multiplied by
-  1e6 / 1e-9 (an intervention at ``grad_output``, as a bad loss scale in one branch would),
-  so its weights and every earlier layer see an exploding / vanishing gradient: the jump
-  happens in ``classifier.1``'s backward, and the starved input side is ``features.0``.
+- ``explode``: the gradient the last layer (``classifier.3``) passes back to its input is
+  multiplied by 1e6 (an intervention at ``grad_input``, as a bad custom backward would), so
+  every earlier layer sees an exploding gradient; the finding names ``classifier.1``, the
+  first weights it reaches.
+- ``vanish``: the gradient reaching ``classifier.1``'s output is multiplied by 1e-9 (an
+  intervention at ``grad_output``, as a bad loss scale in one branch would), so every earlier
+  layer is starved; the finding names the starved input side, ``features.0``.
 
 Every run also explains one test digit of each class at the last conv (``features.3``,
 Grad-CAM) about eight times over training (``Monitor(explain=hs.Probe(...))``): the report's
@@ -104,9 +107,10 @@ def _fault_context(model: nn.Module, fault: str, step: int, nan_step: int) -> An
 
     if fault == "nan" and step == nan_step:
         return intervene(model, {"features.4": _log_input}, at="input")
-    if fault in ("explode", "vanish"):
-        scale = 1e6 if fault == "explode" else 1e-9
-        return intervene(model, {"classifier.1": lambda g, site: g * scale}, at="grad_output")
+    if fault == "explode":
+        return intervene(model, {"classifier.3": lambda g, site: g * 1e6}, at="grad_input")
+    if fault == "vanish":
+        return intervene(model, {"classifier.1": lambda g, site: g * 1e-9}, at="grad_output")
     return contextlib.nullcontext()
 
 
