@@ -141,12 +141,23 @@ def _to_lists(values: list[torch.Tensor]) -> list[list[float]]:
     per dtype, not converted one by one: the cost per value stays a small constant.
     """
     first = values[0]
-    if all(v.dim() == 0 and v.dtype is first.dtype and v.device == first.device for v in values):
-        # an unsampled step: its flags and scalars, in one stack (no float64 copy, no cat)
-        stacked = torch.stack(values)
-        return [
-            [v] for v in (stacked if stacked.is_floating_point() else stacked.double()).tolist()
-        ]
+    if all(v.dtype is first.dtype for v in values):
+        # an unsampled step: its flags, scalars and a few short vectors of one dtype, in one
+        # cat (no float64 copy; the cat itself refuses values on several devices)
+        try:
+            flat = torch.cat(torch.atleast_1d(values))
+        except RuntimeError:
+            flat = None
+        if flat is not None:
+            floats = (flat if flat.is_floating_point() else flat.double()).tolist()
+            if len(floats) == len(values):  # one number each
+                return [[v] for v in floats]
+            out, at = [], 0
+            for v in values:
+                n = v.numel()
+                out.append(floats[at : at + n])
+                at += n
+            return out
     device = next((v.device for v in values if v.device.type != "cpu"), first.device)
     scalars = [i for i, v in enumerate(values) if v.dim() == 0]
     groups: dict[torch.dtype, list[int]] = {}
