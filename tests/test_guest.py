@@ -43,6 +43,8 @@ def assert_torch_is_torchs() -> None:
     for (owner, name), original in ORIGINALS.items():
         assert getattr(owner, name) is original, f"{owner.__name__}.{name} is still replaced"
     assert "softmax" not in vars(torch.Tensor)  # inherited from torch._C.TensorBase again
+    config = sys.modules.get("torch._dynamo.config")
+    assert config is None or config.skip_nnmodule_hook_guards is True  # Dynamo's default
     assert_torch_untouched()
 
 

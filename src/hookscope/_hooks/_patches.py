@@ -22,7 +22,6 @@ imported, for the life of the watched process.
 from __future__ import annotations
 
 import threading
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +50,8 @@ class _Patch:
 
     def _own(self) -> Any:
         """The attribute the owner itself holds (``_MISSING`` where a class inherits it);
-        for other objects (a config module's setting), its value."""
-        if isinstance(self.owner, (type, types.ModuleType)):
+        for a module or any other object (a config module's setting), its value."""
+        if isinstance(self.owner, type):
             return vars(self.owner).get(self.name, _MISSING)
         return getattr(self.owner, self.name)
 
