@@ -41,11 +41,13 @@ def test_a_sampled_step_moves_each_modules_top_channels_and_not_its_channel_maxi
         host = mon._transfer.to_host(state)
         assert not [k for k in host if k[0] == "act_chan"]  # settled: none of it moves
         row = host[("act_top", name)]
-        assert len(row) == 2 * TOP_CHANNELS
+        assert len(row) == 2 * TOP_CHANNELS + 1  # top values, their channels, the median
         (out,) = outputs
-        top, index = out.detach().abs().amax(dim=(0, 1)).topk(TOP_CHANNELS)
-        assert row[TOP_CHANNELS:] == [float(i) for i in index]
+        chans = out.detach().abs().amax(dim=(0, 1))
+        top, index = chans.topk(TOP_CHANNELS)
+        assert row[TOP_CHANNELS : 2 * TOP_CHANNELS] == [float(i) for i in index]
         assert row[:TOP_CHANNELS] == pytest.approx(top.tolist())
+        assert row[-1] == pytest.approx(chans[chans > 0].median().item())
         assert ("act", name) in host and ("grad", name) in host
         assert all(("flag", i) in host for i in range(len(state.trail.flags)))
 
@@ -53,7 +55,7 @@ def test_a_sampled_step_moves_each_modules_top_channels_and_not_its_channel_maxi
 def test_an_unsampled_step_moves_the_flags_and_no_statistics() -> None:
     model = gpt2()
     with hs.Monitor(model, every=2) as mon:
-        mon.step()  # step 1: unsampled
+        mon.step(loss=0.0)  # step 1: unsampled
         model(token_ids(), labels=token_ids()).loss.backward()
         state = mon._now
         host = mon._transfer.to_host(state)
