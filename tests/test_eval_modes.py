@@ -211,6 +211,7 @@ data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
 loader = torch.utils.data.DataLoader(data, batch_size=4)
 trainer = L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
                     enable_model_summary=False, enable_checkpointing=False,
+                    default_root_dir=__import__("os").path.dirname(__file__),
                     callbacks=[HookscopeCallback(every=3)] if {callback} else [])
 model = Regressor()
 trainer.fit(model, loader, loader)
@@ -231,7 +232,9 @@ def test_watch_keeps_a_lightning_trainer_test_which_runs_under_inference_mode(
     stdout, err = capfd.readouterr()
     assert status == 0, err
     assert "test True" in stdout
-    assert _steps(out) == list(range(16))  # two epochs of 8 batches, watched
+    # two epochs of 8 batches, watched: by watch, or by the script's own callback's Monitor
+    # (which watch then leaves alone)
+    assert _steps(tmp_path / "hookscope" if callback else out) == list(range(16))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -252,7 +255,13 @@ def test_a_monitor_around_lightning_fit_and_test(tmp_path: Path, every: int) -> 
         enable_checkpointing=False,
     )
     model = namespace["Regressor"]()
+
+    class Steps(L.Callback):  # the user's own loop hook: one mon.step() per training batch
+        def on_train_batch_end(self, *args: object) -> None:
+            mon.step()
+
+    trainer.callbacks.append(Steps())
     with hs.Monitor(model, every=every, log_dir=tmp_path) as mon:
         trainer.fit(model, loader)
-        result = trainer.test(model, loader, verbose=False)
+        result = trainer.test(model, loader, verbose=False)  # under inference_mode
     assert result[0]["test"] > 0 and mon.step_count == 8
