@@ -10,11 +10,12 @@
 #
 # Which tests each leg runs, and why (the whole of .ci/run must stay well under 40 minutes
 # on a 2-core machine: `make test` takes ~10 of them, cold installs ~8 more, overlapped with it):
-# - 2.14.1, the newest release: the files that lean on Dynamo and autograd internals, where a
-#   new release breaks things first (compiled models and compiled probes, the hook layer and
-#   what it replaces in torch, pickling, non-finite checks, the Monitor).
+# - 2.14.1, the newest release: the files that lean on autograd and module internals (the hook
+#   layer and what it replaces in torch, pickling, non-finite checks, the Monitor). Its compiled
+#   paths are left to the 2.13.0 suite and the 2.9.1 leg, to keep CI's time (test_compile alone
+#   is most of a leg); the whole suite passed on 2.14.1 at the start of the fourth round.
 # - 2.9.1, the last release before Dynamo's zip(strict=) fix and the oldest whose compiled
-#   paths still run: the same files.
+#   paths still run: the compiled files and the internals files.
 # - 2.7.1, the Monitor's floor (Dynamo's per-code frame strategies, set_stance): the Monitor
 #   eager, the hook layer, capture and intervene; its compiled paths are not promised.
 # - 2.4.1, the floor of the eager verbs: capture, intervene, extract, summary, explain,
@@ -48,7 +49,8 @@ OLD_TRANSFORMERS="
 
 args_for() {  # sets ARGS: pytest's arguments for leg $1
     case $1 in
-        2.14.1 | 2.9.1) ARGS=(tests/test_compat.py $COMPILED $INTERNALS) ;;
+        2.14.1) ARGS=(tests/test_compat.py $INTERNALS) ;;
+        2.9.1) ARGS=(tests/test_compat.py $COMPILED $INTERNALS) ;;
         2.7.1) ARGS=(tests/test_compat.py $INTERNALS $EAGER) ;;
         2.4.1) ARGS=(tests/test_compat.py tests/test_hooks.py tests/test_sites.py $EAGER $INTERP
             $NO_MONITOR $OLD_TRANSFORMERS) ;;
