@@ -230,12 +230,15 @@ def _may_hide_hooks(module: nn.Module, model: nn.Module) -> bool:
     adds: the hooks of the children it calls are traced into it, and a module compiled on
     its own (in place, or the model itself) traces its own. A leaf's ``forward`` compiled as
     a frame of its own (after a graph break, say) runs inside torch's module call, which
-    still runs the leaf's hooks: its code is left alone, and so are other models' graphs."""
-    return (
-        module is model
-        or getattr(module, "_compiled_call_impl", None) is not None
-        or next(iter(module.children()), None) is not None
-    )
+    still runs the leaf's hooks: its code is left alone, and so are other models' graphs.
+    So are torch's own containers (``nn.Sequential``): compiled whole they run through a
+    wrapper (``_wrap_inline_code``), and their ``forward`` holds compiled code only as the
+    frames a graph break left inside another compiled model, which every model shares."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    if type(module).__module__.startswith("torch."):
+        return False
+    return module is model or next(iter(module.children()), None) is not None
 
 
 def _wrapped_inline(model: nn.Module) -> bool:
