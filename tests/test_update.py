@@ -54,7 +54,7 @@ def test_a_healthy_check_lets_the_update_run_and_carries_the_loss_with_its_trans
     model = ResNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with hs.Monitor(model, every=2) as mon:
-        mon.step()  # step 1: unsampled
+        mon.step(loss=0.0)  # step 1: unsampled (an empty step() warns)
         backward(model)
         before = model.fc.weight.detach().clone()
         opt.step()
