@@ -54,3 +54,14 @@ def _fresh_accelerate_state():
 
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _no_compiled_code_from_earlier_tests():
+    """Each test starts without the compiled code of earlier tests: Dynamo caches a class's
+    compiled ``forward`` for every instance of it, and an attach to a model of a class another
+    test compiled rightly warns that it traces it again (a user's process would too)."""
+    yield
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
