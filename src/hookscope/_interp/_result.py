@@ -9,7 +9,33 @@ import torch
 __all__ = ["LogitLens", "Patching"]
 
 
-class Patching(torch.Tensor):
+class _Labelled(torch.Tensor):
+    """A tensor carrying what its dimensions are (attributes set from ``meta``); whatever
+    torch computes from it is a plain tensor, since the labels would not hold for it."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, **meta: Any) -> Any:
+        result = torch.Tensor._make_subclass(cls, data.detach(), False)
+        for key, value in meta.items():
+            setattr(result, key, value)
+        return result
+
+    def __init__(self, data: torch.Tensor, **meta: Any) -> None:
+        pass
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def as_tensor(self) -> torch.Tensor:
+        """The values as a plain tensor (the same memory)."""
+        return self.as_subclass(torch.Tensor)
+
+
+class Patching(_Labelled):
     """The metric for each patched site: a tensor ``[modules, (positions), (heads)]``.
 
     It is a plain ``torch.Tensor`` (index it, plot it, ``.argmax()`` it; what torch returns
@@ -31,29 +57,6 @@ class Patching(torch.Tensor):
     clean: torch.Tensor
     corrupted: torch.Tensor
     method: str
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor, **meta: Any) -> Patching:
-        result = torch.Tensor._make_subclass(cls, data.detach(), False)
-        for key, value in meta.items():
-            setattr(result, key, value)
-        return result
-
-    def __init__(self, data: torch.Tensor, **meta: Any) -> None:
-        pass
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
-        # Whatever torch computes from a result is a plain tensor: the rows' names would
-        # not hold for it.
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-    def as_tensor(self) -> torch.Tensor:
-        """The values as a plain tensor (the same memory)."""
-        return self.as_subclass(torch.Tensor)
 
     def effect(self) -> torch.Tensor:
         """``(value - corrupted) / (clean - corrupted)``: 0 where patching restored nothing,
@@ -80,7 +83,7 @@ def _rebuild(data: torch.Tensor, meta: dict[str, Any]) -> Patching:
     return Patching(data, **meta)
 
 
-class LogitLens(torch.Tensor):
+class LogitLens(_Labelled):
     """Log-probabilities ``[modules, N, T, vocab]`` read from each module; a plain tensor
     (what torch returns from it is one) with ``.sites`` naming its rows.
 
@@ -89,19 +92,6 @@ class LogitLens(torch.Tensor):
     """
 
     sites: tuple[str, ...]
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor, **meta: Any) -> LogitLens:
-        result = torch.Tensor._make_subclass(cls, data.detach(), False)
-        for key, value in meta.items():
-            setattr(result, key, value)
-        return result
-
-    def __init__(self, data: torch.Tensor, **meta: Any) -> None:
-        pass
-
-    __torch_function__ = Patching.__torch_function__
-    as_tensor = Patching.as_tensor
 
     def top(self, k: int = 5) -> torch.return_types.topk:
         """``(values, indices)``, each ``[modules, N, T, k]``: log-probabilities and token ids
