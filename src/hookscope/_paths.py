@@ -56,7 +56,9 @@ def check_writable(path: str | Path, what: str, option: str = "log_dir=") -> Non
                 made.rmdir()
 
 
-def unwritable(path: str | Path, what: str, exc: OSError, option: str = "log_dir=") -> HookscopeError:
+def unwritable(
+    path: str | Path, what: str, exc: OSError, option: str = "log_dir="
+) -> HookscopeError:
     """The error for ``what`` that cannot be written at ``path`` (``exc``: why)."""
     reason = exc.strerror or str(exc) or type(exc).__name__
     return HookscopeError(

@@ -119,6 +119,4 @@ def _one_shot(obj: Any) -> bool:
     """A generator, or another iterator that is its own iterator (``map``, ``zip``), at the
     top of a value or one level inside a tuple, list or dict."""
     items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
-    return any(
-        isinstance(x, Iterator) and not isinstance(x, torch.Tensor) for x in (obj, *items)
-    )
+    return any(isinstance(x, Iterator) and not isinstance(x, torch.Tensor) for x in (obj, *items))

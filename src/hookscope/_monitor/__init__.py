@@ -359,9 +359,7 @@ class Monitor:
         record, host, info = self._measure(s, scalars)
         scale = record.scalars.get("grad_scale")
         found, poisoned = self._decision.at_step(s, host, info, step, self.findings, scale)
-        found += self._decision.loss_after_model(
-            s, step, record.scalars.get("loss"), self.findings
-        )
+        found += self._decision.loss_after_model(s, step, record.scalars.get("loss"), self.findings)
         found += self._diagnosis.training_step(
             step,
             record.scalars,
