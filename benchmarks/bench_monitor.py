@@ -377,7 +377,7 @@ class _NoChecks:
 
 
 def without_checks(model: nn.Module, **kwargs: Any) -> Monitor:
-    with mock.patch("hookscope._monitor._wiring.Checks", _NoChecks):
+    with mock.patch("hookscope._monitor._wiring._build.Checks", _NoChecks):
         return Monitor(model, **kwargs)
 
 
@@ -398,7 +398,7 @@ class _NoWindow:
 
 
 def without_window(model: nn.Module, **kwargs: Any) -> Monitor:
-    with mock.patch("hookscope._monitor._probeset.SpikeWatch", _NoWindow):
+    with mock.patch("hookscope._monitor._probes._set.SpikeWatch", _NoWindow):
         return Monitor(model, **kwargs)
 
 

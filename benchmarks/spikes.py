@@ -73,7 +73,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 import hookscope as hs
 import models
-from hookscope._monitor import _signals
+from hookscope._monitor._probes import _signals
 
 VOCAB, LENGTH, BATCH = 100, 32, 16
 STEPS, AT, WARMUP = 160, 110, 20

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hookscope._monitor._buffer import StepBuffer
+from hookscope._monitor._step._buffer import StepBuffer
 
 RULES = {"sum": lambda s: s.sum(0), "min": lambda s: s.amin(0), "max": lambda s: s.amax(0)}
 

@@ -312,7 +312,7 @@ def test_the_checkpoint_test_and_the_sampler_trace_without_a_graph_break() -> No
     assert dict(counters["graph_break"]) == {}
 
 
-# -- fullgraph=True: the compiled branch of the hooks (src/hookscope/_monitor/_compiled.py) ----
+# -- fullgraph=True: the compiled branch of the hooks (src/hookscope/_monitor/_probes/_compiled.py) ----
 
 
 def compiled_steps(
@@ -601,7 +601,7 @@ def test_the_compiled_probes_place_values_without_stack_or_cat() -> None:
 
 
 def test_the_probe_choice_is_marked_constant_as_torch_marks_one() -> None:
-    from hookscope._monitor import _compiled
+    from hookscope._monitor._probes import _compiled
 
     def marked() -> bool:
         return True
@@ -616,7 +616,7 @@ def test_the_probe_choice_is_marked_constant_as_torch_marks_one() -> None:
 def test_a_batch_norm_sample_from_its_input_is_the_sample_of_its_output(
     shape: tuple[int, ...],
 ) -> None:
-    from hookscope._monitor._compiled import _batch_norm_sample
+    from hookscope._monitor._probes._compiled import _batch_norm_sample
 
     bn = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d}[len(shape)](6).train()
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The non-finite decision (``_monitor/_decide.py``), driven with the step state a Monitor's
+"""The non-finite decision (``_monitor/_nonfinite/_decide.py``), driven with the step state a Monitor's
 hooks wrote: a replay with every module flagged where only the model's edges were, that
 leaves the step's own state alone; every module flagged from then on where no replay finds
 the value; the weights an update made non-finite, once the step's update went ahead."""
@@ -12,7 +12,7 @@ from torch import nn
 
 import hookscope as hs
 from hookscope._diagnose import Finding
-from hookscope._monitor._decide import nonfinite_error
+from hookscope._monitor._nonfinite._decide import nonfinite_error
 from models import ResNet, images
 
 

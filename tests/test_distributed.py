@@ -321,7 +321,7 @@ def scenario_clip_on_one_rank(rank: int, out: dict, tmp: Path) -> None:
 def scenario_rank0_only(rank: int, out: dict, tmp: Path) -> None:
     """The mistake that hangs wandb.watch (wandb#7423): a Monitor built on rank 0 only.
     (Last: the timed-out collective stays pending on rank 0.)"""
-    from hookscope._monitor import _dist
+    from hookscope._monitor._step import _dist
 
     _dist.HANDSHAKE_TIMEOUT = 3.0
     out["rank0_only"] = None

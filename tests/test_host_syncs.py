@@ -99,7 +99,7 @@ def transfers_per_step(
     """Device-to-host transfers of the Monitor's buffer in steps 2 to 5 of GPT-2 trained
     with AdamW and gradient clipping (``clips``: one call per part of the parameters),
     ``mon.step(loss=given(loss))``."""
-    from hookscope._monitor import _buffer
+    from hookscope._monitor._step import _buffer
 
     calls = []
     real = _buffer._to_lists

@@ -149,7 +149,7 @@ def test_a_step_grad_scaler_skips_is_heard_and_only_that_one() -> None:
     """A real CPU GradScaler skips ``opt.step()`` where the gradients hold an Inf: the
     listener hears exactly those calls of ``scaler.step``; the Monitor beside it (no
     ``scaler_skipped``) logs the step without an update, as before."""
-    from hookscope._monitor._calls import listen
+    from hookscope._monitor._wiring._calls import listen
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))

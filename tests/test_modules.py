@@ -1,4 +1,4 @@
-"""The Monitor's hooks on the model's modules (``_monitor/_modules.py``): what one step's
+"""The Monitor's hooks on the model's modules (``_monitor/_wiring/_modules.py``): what one step's
 module calls write into the step's state, which calls count towards the statistics, and the
 state a replay's hooks write into instead."""
 

@@ -1,4 +1,4 @@
-"""The probes of module outputs and their gradients (``_monitor/_outputs.py``): the samples of a
+"""The probes of module outputs and their gradients (``_monitor/_probes/_outputs.py``): the samples of a
 sampled step wait for one stacked pass at its end, and each module's statistics come out as
 plain torch computes them from the same sample, whatever the calls, sizes and dtypes.
 """
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from hookscope._monitor import _buffer
+from hookscope._monitor._step import _buffer
 
 
 class TwoSizes(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 
 import hookscope as hs
 from hookscope._log import PRECISION_STATS
-from hookscope._monitor._precision import DTYPES
+from hookscope._monitor._probes._precision import DTYPES
 
 DOC = (Path(__file__).parents[1] / "docs" / "log-format.md").read_text()
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import hookscope as hs
 from hookscope._diagnose import Thresholds
-from hookscope._monitor._signals import Rolling, SpikeWatch, _Row
+from hookscope._monitor._probes._signals import Rolling, SpikeWatch, _Row
 
 sys.path.insert(0, str(Path(__file__).parent))
 import models

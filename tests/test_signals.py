@@ -17,8 +17,14 @@ from torch import nn
 import hookscope as hs
 from hookscope._diagnose import Thresholds
 from hookscope._log import Window
-from hookscope._monitor._buffer import StepBuffer
-from hookscope._monitor._signals import MAD_TO_STD, WEIGHT_SAMPLE, Rolling, WeightNorms, group_of
+from hookscope._monitor._probes._signals import (
+    MAD_TO_STD,
+    WEIGHT_SAMPLE,
+    Rolling,
+    WeightNorms,
+    group_of,
+)
+from hookscope._monitor._step._buffer import StepBuffer
 
 DOC = (Path(__file__).parents[1] / "docs" / "log-format.md").read_text()
 AT = 40  # the step a fault is injected at

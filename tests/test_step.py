@@ -1,4 +1,4 @@
-"""One step's state (``_monitor/_step.py``): a new one each step, the graph of the modules
+"""One step's state (``_monitor/_step/_state.py``): a new one each step, the graph of the modules
 that ran and the ones whose output went nowhere, and the step's ``skipped_step`` event."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The step's one transfer (``_monitor/_transfer.py``): the activation probe settles before the
+"""The step's one transfer (``_monitor/_step/_transfer.py``): the activation probe settles before the
 buffer moves (only each module's top channels travel), and what a compiled graph measured is
 drained into the buffer and unpacked into the entries and flags eager hooks write."""
 
@@ -13,7 +13,7 @@ import torch._dynamo
 from torch import nn
 
 import hookscope as hs
-from hookscope._monitor._outputs import TOP_CHANNELS
+from hookscope._monitor._probes._outputs import TOP_CHANNELS
 from models import gpt2, token_ids
 
 pytestmark = [  # Dynamo's own warnings under our "error" filter (as in test_compile.py)

@@ -1,4 +1,4 @@
-"""Around each optimizer update (``_monitor/_update.py``): the final gradients are read once
+"""Around each optimizer update (``_monitor/_wiring/_update.py``): the final gradients are read once
 (early, before a clip, or just before the update), the non-finite check runs before the
 optimizer changes anything (raise: nothing changed; skip: weights, optimizer state and
 BatchNorm running statistics as before the step), and the update itself is measured."""

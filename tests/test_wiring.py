@@ -1,4 +1,4 @@
-"""A Monitor's hooks and the parts they feed, built and connected once (``_monitor/_wiring.py``):
+"""A Monitor's hooks and the parts they feed, built and connected once (``_monitor/_wiring/_build.py``):
 the parts share the step's state (the listener hears the script's backward and clip, the
 optimizer hooks read and check the gradients into it), ``close()`` takes every hook and the
 listener away, and a build that fails half-way leaves nothing behind."""
@@ -13,12 +13,12 @@ from torch import nn
 
 from hookscope import SelectionError
 from hookscope._diagnose import Diagnosis, Finding, Thresholds
-from hookscope._monitor import _calls
 from hookscope._monitor._output import Output
-from hookscope._monitor._probeset import ProbeSet
-from hookscope._monitor._step import StepState
+from hookscope._monitor._probes._set import ProbeSet
+from hookscope._monitor._step._state import StepState
 from hookscope._monitor._warnings import Warnings
-from hookscope._monitor._wiring import Wiring
+from hookscope._monitor._wiring import _calls
+from hookscope._monitor._wiring._build import Wiring
 from hookscope.testing import assert_no_hooks
 from models import ResNet, images
 

@@ -54,8 +54,8 @@ _WHERE = {
     "read_log": "._log",
     "Monitor": "._monitor",
     "Record": "._record",
-    "Replay": "._monitor._replay",
-    "replay": "._monitor._replay",
+    "Replay": "._monitor._nonfinite._replay",
+    "replay": "._monitor._nonfinite._replay",
     "report": "._report",
     "select": "._select",
     "JsonlSink": "._sinks",
@@ -105,8 +105,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._intervene import intervene as intervene
     from ._log import read_log as read_log
     from ._monitor import Monitor as Monitor
-    from ._monitor._replay import Replay as Replay
-    from ._monitor._replay import replay as replay
+    from ._monitor._nonfinite._replay import Replay as Replay
+    from ._monitor._nonfinite._replay import replay as replay
     from ._record import Record as Record
     from ._report import report as report
     from ._select import select as select

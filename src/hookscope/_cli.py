@@ -319,7 +319,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from ._monitor._replay import check_bundle, replay
+    from ._monitor._nonfinite._replay import check_bundle, replay
 
     check_bundle(args.bundle)  # before the model is built: a missing bundle says so first
     model = _build(args.model)

@@ -2,7 +2,7 @@
 
 On sampled steps a Monitor reads at most ``sample`` elements of a tensor, spread over all of
 it (:class:`Sampler`); these functions turn such a sample into sums, minima and maxima that
-a :class:`~hookscope._monitor._buffer.StepBuffer` combines across calls and moves to the host.
+a :class:`~hookscope._monitor._step._buffer.StepBuffer` combines across calls and moves to the host.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Monitor: layer-by-layer training health at the cost of a bare training step.
 
-The Monitor only orchestrates. Its probes (``_probeset.py``) and checks (``_checks/``) are
-hooked onto the model once (``_wiring.py``). While a step runs, the hooks write the step's
-state (``_step.py``): the probes and the non-finite trail (``_nonfinite.py``) put small device
+The Monitor only orchestrates. Its probes (``_probes/_set.py``) and checks (``_checks/``) are
+hooked onto the model once (``_wiring/_build.py``). While a step runs, the hooks write the step's
+state (``_step/_state.py``): the probes and the non-finite trail (``_nonfinite/_trail.py``) put small device
 tensors into the step's :class:`StepBuffer`, and around each optimizer update the final
-gradients are read and checked (``_update.py``). ``step()`` moves the buffer to the host in
-one transfer (``_transfer.py``), has each probe and check fill its part of a typed
-:class:`StepRecord` (``_log.py``), has the non-finite decision (``_decide.py``) and the
+gradients are read and checked (``_wiring/_update.py``). ``step()`` moves the buffer to the host in
+one transfer (``_step/_transfer.py``), has each probe and check fill its part of a typed
+:class:`StepRecord` (``_log.py``), has the non-finite decision (``_nonfinite/_decide.py``) and the
 diagnosis judge the step, and writes the records and findings out (``_output.py``).
 """
 
@@ -30,10 +30,11 @@ from .._hooks import eager_model
 from .._log import StepRecord
 from .._select import Where, select
 from .._sinks import Sink
-from ._buffer import Host
-from ._decide import nonfinite_error
-from ._dist import RankInfo
 from ._lifetime import Lifetime, check_materialized, idle_message
+from ._nonfinite._decide import nonfinite_error
+from ._nonfinite._replay import (
+    write_bundle,  # safetensors itself is imported when a bundle is written
+)
 from ._options import (
     batch_list,
     check_batch_indices,
@@ -47,12 +48,13 @@ from ._options import (
     thresholds_from,
 )
 from ._output import Output
-from ._probeset import ProbeSet
-from ._replay import write_bundle  # safetensors itself is imported when a bundle is written
-from ._signals import SkipList
-from ._step import StepState
+from ._probes._set import ProbeSet
+from ._probes._signals import SkipList
+from ._step._buffer import Host
+from ._step._dist import RankInfo
+from ._step._state import StepState
 from ._warnings import Warnings
-from ._wiring import Wiring
+from ._wiring._build import Wiring
 
 if TYPE_CHECKING:
     from .._explain._probe import Probe, ProbeRun
@@ -125,7 +127,7 @@ class Monitor:
         skip_list: A JSON file that lists the batches of the steps where a ``loss_spike``
             started (their step numbers, and the data-set indices given to
             ``step(batch_indices=...)``), for a trainer that resumes from an earlier
-            checkpoint to skip them (``_monitor/_signals.py``, :class:`SkipList`).
+            checkpoint to skip them (``_monitor/_probes/_signals.py``, :class:`SkipList`).
         sync: Under ``torch.distributed`` with several ranks (every rank builds the same
             Monitor): ``None`` (default) or ``True`` combine the ranks' figures with one
             collective per step into what one process would compute on the whole batch
@@ -150,7 +152,7 @@ class Monitor:
             in each (``underflow``) and that would exceed its largest finite value
             (``overflow``), ``amax`` and ``dynamic_range`` (``log2`` of the largest over the
             smallest non-zero magnitude), in the step record's ``precision`` group; findings
-            ``precision_underflow`` and ``precision_overflow`` (``_precision.py``).
+            ``precision_underflow`` and ``precision_overflow`` (``_probes/_precision.py``).
         explain: A :class:`hs.Probe`: a fixed batch explained (``hs.explain``) at
             ``step()`` of every ``probe.every``-th step, in eval mode with the model put back
             exactly as it was (the run is bit-identical without it), logged as ``explain``
@@ -160,14 +162,14 @@ class Monitor:
     ``stale_gradients``, ``eval_randomness``, ``eval_mismatch``, ``autocast_skipped``, and
     with the arguments above ``frozen_changed`` and ``replica_divergence``.
 
-    Large-model signals (``_signals.py``): on every step a rolling window keeps the loss,
+    Large-model signals (``_probes/_signals.py``): on every step a rolling window keeps the loss,
     ``grad_norm``, the learning rates and per parameter group (a transformer block, an
     embedding) its gradients' L2 norm, reused from the non-finite check, and the L1 norm of
     a fixed sample of its weights; a ``loss_spike`` finding names the group whose gradient
     norm or weights left their own range first, with the window in the log (``record_on=("loss_spike",)`` records the step). Sampled steps add
     each module's ``kurtosis`` and ``absmax_over_rms``, and ``massive_activations`` when the
     latter stays high, and each attention module's largest pre-softmax logit
-    (``_attention.py``), with ``attention_logit_growth`` when it grows. ``precision=`` adds
+    (``_probes/_attention.py``), with ``attention_logit_growth`` when it grows. ``precision=`` adds
     what lower-precision dtypes would lose; a GradScaler's scale is logged as the scalar
     ``grad_scale``, the steps it skips as ``skipped_step`` events.
 
@@ -231,7 +233,7 @@ class Monitor:
         self.step_count = 0
         self._model = model
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
-        self._probes = ProbeSet(  # what it measures (``_probeset.py``)
+        self._probes = ProbeSet(  # what it measures (``_probes/_set.py``)
             model,
             self.modules,
             self.thresholds,
@@ -282,7 +284,7 @@ class Monitor:
         replicated: Where | None,
     ) -> None:
         """Every hook on the model, its optimizers and the script's calls, with the parts
-        that read what they gather (``_wiring.py``)."""
+        that read what they gather (``_wiring/_build.py``)."""
         w = self._wiring = Wiring(
             model,
             self.modules,
@@ -303,11 +305,11 @@ class Monitor:
         self._optim = w.updates.optim
         if optimizer is not None:
             self._optim.adopt(optimizer)
-        self._module_hooks.now = self._new_state()  # what the hooks write (``_step.py``)
+        self._module_hooks.now = self._new_state()  # what the hooks write (``_step/_state.py``)
 
     @property
     def _now(self) -> StepState:
-        """What the hooks write this step (``_step.py``)."""
+        """What the hooks write this step (``_step/_state.py``)."""
         return self._module_hooks.now
 
     @property
@@ -328,7 +330,7 @@ class Monitor:
         self._updates.read_gradients(optimizer)
 
     def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
-        """The non-finite check before an update (``_update.py``; ``hs.watch`` runs it for
+        """The non-finite check before an update (``_wiring/_update.py``; ``hs.watch`` runs it for
         a model trained by hand). True: skip the update."""
         return self._updates.check(optimizer, names)
 
@@ -416,7 +418,7 @@ class Monitor:
         return record, host, info
 
     def _spiked(self, record: StepRecord, host: Host, batch_indices: Any) -> list[Finding]:
-        """The ``loss_spike`` finding, when the rolling window (``_signals.py``) sees one:
+        """The ``loss_spike`` finding, when the rolling window (``_probes/_signals.py``) sees one:
         its window goes to the log and its batch to ``skip_list``."""
         spike = self._probes.spikes.observe(record.step, record.scalars, host)
         if spike is None:
@@ -438,7 +440,7 @@ class Monitor:
             self._out.write(record)
 
     def _bundle(self, finding: Finding, before_update: bool) -> Path:
-        """The flight recorder's replay bundle for ``finding`` (``_replay.py``)."""
+        """The flight recorder's replay bundle for ``finding`` (``_nonfinite/_replay.py``)."""
         return write_bundle(
             self.record_dir,
             finding,
@@ -451,7 +453,7 @@ class Monitor:
 
     def _new_state(self) -> StepState:
         """The next step's state. Only the model's edges are checked where a replay can
-        localise (``_decide.py``), once an optimizer is adopted: its check runs before the
+        localise (``_nonfinite/_decide.py``), once an optimizer is adopted: its check runs before the
         update, where a replay meets the step's own weights. Before that (a hand-written
         update runs before ``step()``), every module's output and gradient is checked."""
         light = self.check == "edges" and self._decision.light and bool(self._optim.adopted)

@@ -14,7 +14,7 @@ from torch import nn
 
 from .._diagnose import Thresholds
 from .._errors import HookscopeError, did_you_mean
-from ._dist import Collective
+from ._step._dist import Collective
 
 __all__ = [
     "batch_list",

@@ -22,7 +22,7 @@ from .._diagnose import Diagnosis, Finding, mark_cleared
 from .._log import LOG_NAME, Cleared, Event, Header, run_number
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
 from .._version import __version__
-from ._dist import Collective
+from ._step._dist import Collective
 
 __all__ = ["Output"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 from .._errors import HookscopeWarning
-from ._step import StepState
+from ._step._state import StepState
 
 __all__ = ["Warnings"]
 

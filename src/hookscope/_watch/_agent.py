@@ -69,9 +69,9 @@ from torch import nn
 from .._errors import NonFiniteError
 from .._hooks import HookSet
 from .._monitor import Monitor
-from .._monitor._calls import listen, loss_of
 from .._monitor._lifetime import open_monitor
-from .._monitor._optim import unwrap
+from .._monitor._wiring._calls import listen, loss_of
+from .._monitor._wiring._optim import unwrap
 from ._closer import Closer, die
 from ._find import owns, scan, trained_by_hand
 from ._settings import Settings

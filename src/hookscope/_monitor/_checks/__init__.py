@@ -31,8 +31,8 @@ from typing import Any, Protocol
 from ..._diagnose import Finding
 from ..._log import StepRecord
 from ..._select import Where, select
-from .._buffer import Host, StepBuffer
-from .._dist import Entry
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import Entry
 from ._common import Context
 from ._forward import AutocastSkipped, EvalMismatch, EvalRandomness
 from ._grads import StaleGradients

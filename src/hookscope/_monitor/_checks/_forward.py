@@ -19,8 +19,8 @@ from torch import nn
 from ..._diagnose import Finding
 from ..._log import EvalRecord, StepRecord
 from ..._tree import tensors
-from .._buffer import Host, StepBuffer
-from .._dist import Entry
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import Entry
 from ._common import Context
 
 __all__ = ["AutocastSkipped", "EvalMismatch", "EvalRandomness"]

@@ -21,8 +21,8 @@ from torch import nn
 
 from ..._diagnose import Finding
 from ..._log import StepRecord
-from .._buffer import Host, StepBuffer
-from .._dist import Entry, local
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import Entry, local
 from ._common import Context, module_of, spread
 
 __all__ = ["ReplicaDivergence", "replicated_params"]

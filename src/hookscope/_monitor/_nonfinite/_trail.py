@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .._diagnose import Finding
-from .._record import version
-from .._stats import finite_flag, norms
-from ._buffer import Host, StepBuffer
-from ._dist import local
+from ..._diagnose import Finding
+from ..._record import version
+from ..._stats import finite_flag, norms
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import local
 
 __all__ = ["PASS_THROUGH", "Flag", "NonFiniteTrail"]
 

@@ -8,7 +8,7 @@ of the inputs and the optimizer's other state). Nothing in it needs the user's c
 unpickle: the model is built by the user, the same way, and the bundle's state is loaded into
 it.
 
-It sits next to its tracer (``_trace.py``) and below the Monitor, which writes a bundle
+It sits next to its tracer (``_nonfinite/_trace.py``) and below the Monitor, which writes a bundle
 through :func:`write_bundle`; ``hs.replay`` and the ``hookscope replay`` command read one.
 """
 
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._diagnose import Finding
-from .._errors import HookscopeError, missing_extra
-from .._tree import tensors
-from .._version import __version__
+from ..._diagnose import Finding
+from ..._errors import HookscopeError, missing_extra
+from ..._tree import tensors
+from ..._version import __version__
 from ._trace import Call, Origin, trace
 
 __all__ = ["Replay", "check_bundle", "replay", "write_bundle"]

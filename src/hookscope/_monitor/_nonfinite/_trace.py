@@ -28,15 +28,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .._diagnose import Finding
-from .._hooks import (
+from ..._diagnose import Finding
+from ..._hooks import (
     HookSet,
     compiled_wrappers,
     eager_only,
     in_backward_recompute,
     same_layout_copy,
 )
-from .._tree import map_tensors, tensors
+from ..._tree import map_tensors, tensors
 
 __all__ = ["Call", "Origin", "Tape", "replay", "top_modules", "trace"]
 

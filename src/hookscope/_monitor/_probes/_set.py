@@ -1,7 +1,7 @@
 """Every probe of a Monitor as one collection: what it measures, built, hooked, read together.
 
-The probes (``_outputs.py``, ``_probes.py``, ``_compiled.py``, ``_precision.py``,
-``_attention.py``, ``_signals.py``) each put device tensors into the step's buffer under
+The probes (``_probes/_outputs.py``, ``_probes/_params.py``, ``_probes/_compiled.py``, ``_probes/_precision.py``,
+``_probes/_attention.py``, ``_probes/_signals.py``) each put device tensors into the step's buffer under
 their own keys and fill their part of the step's record from the host values. The Monitor
 talks to them as one: :meth:`ProbeSet.attach` hooks them onto the model, :meth:`collect`
 adds what a sampled step reads at its end, :meth:`layout` is their part of a step's
@@ -14,19 +14,19 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from .._diagnose import Thresholds
-from .._hooks import HookSet
-from .._log import StepRecord
-from .._stats import Sampler
+from ..._diagnose import Thresholds
+from ..._hooks import HookSet
+from ..._log import StepRecord
+from ..._stats import Sampler
+from .._options import device_of
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import Entry
+from .._wiring._modules import MODULES, ModuleHooks
 from ._attention import Attention
-from ._buffer import Host, StepBuffer
 from ._compiled import CompiledProbes
-from ._dist import Entry
-from ._modules import MODULES, ModuleHooks
-from ._options import device_of
 from ._outputs import Activations, OutputGrads
+from ._params import BatchNorms, Params
 from ._precision import Precision
-from ._probes import BatchNorms, Params
 from ._signals import SpikeWatch
 
 __all__ = ["ProbeSet"]
@@ -81,7 +81,7 @@ class ProbeSet:
         self, hooks: HookSet, model: nn.Module, *, keep_outputs: bool, skip: bool
     ) -> ModuleHooks:
         """Hook the probes onto ``model``, in ``hooks``: the hooks on its modules, which write
-        into the step's state (``_modules.py``), and the attention probe's. ``keep_outputs``:
+        into the step's state (``_wiring/_modules.py``), and the attention probe's. ``keep_outputs``:
         the tape keeps the outermost calls' outputs (for a replay bundle); ``skip``: a step
         whose update is skipped also undoes its forward's BatchNorm running statistics."""
         module_hooks = ModuleHooks(

@@ -1,4 +1,4 @@
-"""What a Monitor hears of a step from the script's own calls into torch (``_calls.py``).
+"""What a Monitor hears of a step from the script's own calls into torch (``_wiring/_calls.py``).
 
 :class:`Heard` is the step's account: the loss each backward pass started from (summed over
 an accumulated step), the scale a GradScaler multiplied it by, the total norms
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch.linalg import vector_norm
 
-from .._diagnose import Finding
+from ..._diagnose import Finding
 
 if TYPE_CHECKING:
-    from ._checks import Checks
+    from .._checks import Checks
+    from .._probes._params import Params
     from ._modules import ModuleHooks
-    from ._probes import Params
 
 __all__ = ["Ears", "Heard"]
 
@@ -83,7 +83,7 @@ class Ears:
     """The Monitor's listener on the script's calls into torch (``_calls.Listener``): the
     loss each backward pass started from, and the gradients before they are clipped.
 
-    It reads what the module hooks (``_modules.py``) saw: the step's state, the count of
+    It reads what the module hooks (``_wiring/_modules.py``) saw: the step's state, the count of
     output gradients (did a backward pass reach the model?) and the tape (a replay of ours
     is not the script's). ``read_gradients`` reads the step's gradients before a clip."""
 

@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._hooks import HookSet
-from .._log import StepRecord
-from ._buffer import Host, StepBuffer
-from ._dist import Entry
+from ..._hooks import HookSet
+from ..._log import StepRecord
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import Entry
 
 __all__ = ["Attention", "attention_modules"]
 

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._log import StepRecord
-from .._stats import (
+from ..._log import StepRecord
+from ..._stats import (
     MOMENTS,
     SAT_MARGIN,
     Plan,
@@ -32,8 +32,8 @@ from .._stats import (
     row_extremes,
     row_moments,
 )
-from ._buffer import Host, StepBuffer
-from ._dist import Entry, from_rank0
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import Entry, from_rank0
 
 __all__ = ["TOP_CHANNELS", "Activations", "OutputGrads"]
 

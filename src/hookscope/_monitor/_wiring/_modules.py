@@ -3,12 +3,12 @@
 :class:`ModuleHooks` puts a forward hook on every watched module (the probes, the non-finite
 trail and a hook on each output's gradient), one on every other module (which outputs a
 container returned: ``StepState.dead_ends``) and the tape on the outermost calls
-(``_trace.py``: the model's edges, flagged on every step where a replay can localise). The
+(``_nonfinite/_trace.py``: the model's edges, flagged on every step where a replay can localise). The
 hooks write into the current :class:`StepState` (``now``), which the Monitor replaces as each
 step ends and the non-finite decision swaps for a replay's (``flagging``).
 
 They run at every module call: each does its work inline, with no call into another layer.
-Inside a compiled graph the forward hook takes the branch of ``_compiled.py``, which reads
+Inside a compiled graph the forward hook takes the branch of ``_probes/_compiled.py``, which reads
 only Python bools and the module's index tensor (nothing a graph would guard on per module).
 """
 
@@ -22,16 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._hooks import HookSet, alias_grad_outputs, in_backward_recompute
-from .._tap import Tap
-from .._tree import tensors
-from ._compiled import CompiledProbes
-from ._nonfinite import PASS_THROUGH
-from ._options import device_of
-from ._outputs import Activations, OutputGrads
-from ._precision import Precision
-from ._step import StepState
-from ._trace import Tape
+from ..._hooks import HookSet, alias_grad_outputs, in_backward_recompute
+from ..._tap import Tap
+from ..._tree import tensors
+from .._nonfinite._trace import Tape
+from .._nonfinite._trail import PASS_THROUGH
+from .._options import device_of
+from .._probes._compiled import CompiledProbes
+from .._probes._outputs import Activations, OutputGrads
+from .._probes._precision import Precision
+from .._step._state import StepState
 
 __all__ = ["CHECKS", "ModuleHooks"]
 
@@ -92,7 +92,7 @@ class ModuleHooks:
     # -- the gate: which hooks are on the modules this step ----------------------------------
     @property
     def now(self) -> StepState:
-        """What the hooks write this step (``_step.py``)."""
+        """What the hooks write this step (``_step/_state.py``)."""
         return self._now
 
     @now.setter
@@ -158,7 +158,7 @@ class ModuleHooks:
 
     @contextlib.contextmanager
     def flagging(self) -> Iterator[StepState]:
-        """While the step is replayed with every watched module flagged (``_decide.py``),
+        """While the step is replayed with every watched module flagged (``_nonfinite/_decide.py``),
         the hooks write into a state of the replay's own, which this yields."""
         kept = self._now
         self._now = StepState(sampled=False, light=False, flagging=True)
@@ -179,7 +179,7 @@ class ModuleHooks:
         kwargs: Any,
         output: Any,
     ) -> Any:
-        if torch.compiler.is_compiling():  # traced into a graph: ``_compiled.py``
+        if torch.compiler.is_compiling():  # traced into a graph: ``_probes/_compiled.py``
             return self._on_forward_compiled(index, module, args, output)
         s = self._now
         if self.tape.paused and not s.flagging:  # a replay under the op tracer
@@ -289,7 +289,7 @@ class ModuleHooks:
         feeds nothing that one does, and gets no gradient, was detached or thrown away."""
         s = self.now
         s.hooks_ran = True
-        if torch.compiler.is_compiling():  # eager-only (``_compiled.py``)
+        if torch.compiler.is_compiling():  # eager-only (``_probes/_compiled.py``)
             return
         if s.sampled and torch.is_grad_enabled() and not self.tape.paused:
             s.returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)

@@ -63,8 +63,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import custom_op
-from .._stats import (
+from ..._compat import custom_op
+from ..._stats import (
     MIN_POSITIONS,
     MOMENTS,
     SAT_MARGIN,
@@ -74,9 +74,9 @@ from .._stats import (
     plan_for,
     strided_index,
 )
-from .._tree import map_tensors, tensors
-from ._buffer import Host, StepBuffer, combine
-from ._nonfinite import Flag
+from ..._tree import map_tensors, tensors
+from .._nonfinite._trail import Flag
+from .._step._buffer import Host, StepBuffer, combine
 
 __all__ = ["SLOTS", "CompiledProbes"]
 

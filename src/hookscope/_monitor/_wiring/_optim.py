@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._hooks import HookSet
+from ..._hooks import HookSet
 
 __all__ = ["OptimizerWatch", "unwrap"]
 

@@ -32,7 +32,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 from torch.amp import grad_scaler
 
-from .._hooks import use
+from ..._hooks import use
 
 __all__ = ["Listener", "listen", "loss_of", "scale_of"]
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._errors import HookscopeError
+from ..._errors import HookscopeError
 from ._buffer import Host, StepBuffer
 
 __all__ = [

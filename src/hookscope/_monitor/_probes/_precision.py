@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .._log import StepRecord
-from .._stats import Sampler
-from ._buffer import Host, StepBuffer
-from ._dist import Entry
+from ..._log import StepRecord
+from ..._stats import Sampler
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import Entry
 
 __all__ = ["DTYPES", "Format", "Precision", "formats"]
 

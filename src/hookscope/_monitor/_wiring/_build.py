@@ -1,10 +1,10 @@
 """A Monitor's hooks and the parts that read what they gather, built and connected once.
 
 Every hook goes into one :class:`HookSet`: the probes' on the model's modules
-(``_probeset.py``, ``_modules.py``), the optimizers' global step hooks (``_update.py``) and
-the checks' (``_checks/``); a listener hears the script's calls into torch (``_calls.py``,
-``_heard.py``). Between them sit the non-finite decision (``_decide.py``) and the step's one
-transfer (``_transfer.py``). :class:`Wiring` builds them in the order they depend on each
+(``_probes/_set.py``, ``_wiring/_modules.py``), the optimizers' global step hooks (``_wiring/_update.py``) and
+the checks' (``_checks/``); a listener hears the script's calls into torch (``_wiring/_calls.py``,
+``_wiring/_heard.py``). Between them sit the non-finite decision (``_nonfinite/_decide.py``) and the step's one
+transfer (``_step/_transfer.py``). :class:`Wiring` builds them in the order they depend on each
 other, and removes every hook again.
 """
 
@@ -15,20 +15,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .._diagnose import Diagnosis
-from .._hooks import HookSet
-from .._select import Where
+from ..._diagnose import Diagnosis
+from ..._hooks import HookSet
+from ..._select import Where
+from .._checks import Checks, Context
+from .._nonfinite._decide import NonFiniteDecision
+from .._output import Output
+from .._probes._set import ProbeSet
+from .._step._dist import Collective, Entry
+from .._step._transfer import Transfer
+from .._warnings import Warnings
 from ._calls import listen
-from ._checks import Checks, Context
-from ._decide import NonFiniteDecision
-from ._dist import Collective, Entry
 from ._heard import Ears
 from ._modules import CHECKS
-from ._output import Output
-from ._probeset import ProbeSet
-from ._transfer import Transfer
 from ._update import Updates
-from ._warnings import Warnings
 
 __all__ = ["Wiring"]
 

@@ -1,6 +1,6 @@
 """What a Monitor measures of the model's parameters and BatchNorm statistics.
 
-Like the probes of module outputs (``_outputs.py``), each puts device tensors into the step's
+Like the probes of module outputs (``_probes/_outputs.py``), each puts device tensors into the step's
 :class:`StepBuffer` under its own keys while the step runs (from optimizer hooks, or in
 :meth:`collect` at the step's end) and, after the one host transfer, fills its part of the
 :class:`StepRecord` in :meth:`read`.
@@ -14,13 +14,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .._log import StepRecord
-from .._stats import (
+from ..._log import StepRecord
+from ..._stats import (
     Sampler,
     norms,
 )
-from ._buffer import Host, StepBuffer
-from ._dist import Entry, from_rank0, local, sharded_contributes
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import Entry, from_rank0, local, sharded_contributes
 
 __all__ = ["BatchNorms", "Params"]
 

@@ -2,7 +2,7 @@
 
 The Monitor holds one :class:`StepState` and starts a new one when ``step()`` ends, so that
 nothing of a step outlives it. A replay of the step with every module flagged
-(``_decide.py``) runs the same hooks into a state of its own, which the Monitor swaps in for
+(``_nonfinite/_decide.py``) runs the same hooks into a state of its own, which the Monitor swaps in for
 the replay and out after it: the replay leaves the step's state as it found it.
 """
 
@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from .._diagnose import Finding, Graph
-from .._record import version
+from ..._diagnose import Finding, Graph
+from ..._record import version
+from .._nonfinite._trail import NonFiniteTrail
+from .._options import split_scalars
+from .._wiring._heard import Heard
 from ._buffer import StepBuffer
-from ._heard import Heard
-from ._nonfinite import NonFiniteTrail
-from ._options import split_scalars
 
 __all__ = ["StepState"]
 
@@ -54,7 +54,7 @@ class StepState:
         self.flagging = flagging  # a replay of the step, every watched module flagged
         self.buf = StepBuffer()
         self.trail = NonFiniteTrail()
-        self.heard = Heard()  # the loss, loss scale, clips (``_heard.py``)
+        self.heard = Heard()  # the loss, loss scale, clips (``_wiring/_heard.py``)
         self.made: dict[str, set[int]] = {}  # sampled steps: outputs needing a gradient
         self.got_grad: set[str] = set()  # modules whose output gradient arrived
         self.returned: set[int] = set()  # outputs that a container returned

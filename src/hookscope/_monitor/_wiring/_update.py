@@ -1,12 +1,12 @@
 """What a Monitor does around each optimizer update: read the final gradients, check them.
 
-The optimizers are found by torch's global step hooks (``_optim.py``). Around each update of
+The optimizers are found by torch's global step hooks (``_wiring/_optim.py``). Around each update of
 one that steps the model, :class:`Updates` reads the parameters' final gradients (their norms
 on sampled steps; on every step their non-finite flags, whose L2 norms also feed the rolling
-window of ``_signals.py``), takes the non-finite decision before the optimizer changes
-anything (``_decide.py``), so that ``on_nonfinite="raise"`` raises and ``"skip"`` skips the
+window of ``_probes/_signals.py``), takes the non-finite decision before the optimizer changes
+anything (``_nonfinite/_decide.py``), so that ``on_nonfinite="raise"`` raises and ``"skip"`` skips the
 update with the weights and optimizer state untouched, and has the parameter probe measure the
-update itself (``_probes.py``).
+update itself (``_probes/_params.py``).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from .._hooks import HookSet
-from ._decide import NonFiniteDecision, nonfinite_error
+from ..._hooks import HookSet
+from .._nonfinite._decide import NonFiniteDecision, nonfinite_error
+from .._output import Output
+from .._probes._set import ProbeSet
+from .._step._transfer import Transfer
 from ._modules import ModuleHooks
 from ._optim import OptimizerWatch
-from ._output import Output
-from ._probeset import ProbeSet
-from ._transfer import Transfer
 
 __all__ = ["Updates"]
 

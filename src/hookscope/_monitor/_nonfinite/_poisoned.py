@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from .._diagnose import Finding
-from .._stats import norms
-from ._dist import local
+from ..._diagnose import Finding
+from ..._stats import norms
+from .._step._dist import local
 
 __all__ = ["PoisonedWeights"]
 

@@ -1,12 +1,12 @@
 """The non-finite decision: where a step's first NaN/Inf arose, as precisely as can be told.
 
-The trail's flags (``_nonfinite.py``) name the module whose output or gradient went bad
+The trail's flags (``_nonfinite/_trail.py``) name the module whose output or gradient went bad
 first. The first time a finding is seen, a replay of the step under the op tracer
-(``_trace.py``) adds the op, the phase and the source line. Only the model's edges are
+(``_nonfinite/_trace.py``) adds the op, the phase and the source line. Only the model's edges are
 flagged; where the tracer names no op (the data itself was NaN, say), the step is replayed
 once more with every watched module flagged, and where that finds nothing
 either, every module is flagged from then on. Weights that an earlier update made
-non-finite are one finding, not a new one at every later step (``_poisoned.py``). Under
+non-finite are one finding, not a new one at every later step (``_nonfinite/_poisoned.py``). Under
 ``torch.distributed``, the rank where the value first went bad localises it and hands the
 finding to the others, so that every rank decides alike.
 """
@@ -22,13 +22,13 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-from .._diagnose import Diagnosis, Finding
-from .._errors import NonFiniteError
-from .._hooks import eager_calls
-from ._buffer import Host
-from ._dist import Collective, RankInfo
+from ..._diagnose import Diagnosis, Finding
+from ..._errors import NonFiniteError
+from ..._hooks import eager_calls
+from .._step._buffer import Host
+from .._step._dist import Collective, RankInfo
+from .._step._state import StepState
 from ._poisoned import PoisonedWeights
-from ._step import StepState
 from ._trace import Tape, replay, trace
 
 __all__ = ["NonFiniteDecision", "nonfinite_error"]

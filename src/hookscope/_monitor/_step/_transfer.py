@@ -1,9 +1,9 @@
 """The step's one transfer to the host: settle, drain, move (or exchange), unpack.
 
 Before the buffer moves, the activation probe settles what it kept during the step (only the
-top channels move) and what compiled graphs measured (``_compiled.py``) is drained into the
+top channels move) and what compiled graphs measured (``_probes/_compiled.py``) is drained into the
 buffer. Then the buffer moves to the host in one transfer, or, under ``torch.distributed``,
-in the step's one collective with every rank (``_dist.py``), and the compiled graphs' figures
+in the step's one collective with every rank (``_step/_dist.py``), and the compiled graphs' figures
 are spread into the entries and flags the eager hooks would have written, so that every
 probe reads its record as usual. An update's early transfer (the non-finite check before
 ``optimizer.step()``) goes the same way, with the scalars heard by then.
@@ -16,12 +16,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .._nonfinite._trace import Tape
+from .._probes._set import ProbeSet
+from .._warnings import Warnings
 from ._buffer import Host
 from ._dist import Collective, Entry, RankInfo, digest
-from ._probeset import ProbeSet
-from ._step import StepState
-from ._trace import Tape
-from ._warnings import Warnings
+from ._state import StepState
 
 __all__ = ["Transfer"]
 
@@ -30,7 +30,7 @@ class Transfer:
     """Moves a step's buffer to the host.
 
     ``layout(rank)``: what the probes and checks put in a sampled step's collective;
-    ``bad_bits(state)``: this rank's non-finite bits for it (``_decide.py``)."""
+    ``bad_bits(state)``: this rank's non-finite bits for it (``_nonfinite/_decide.py``)."""
 
     def __init__(
         self,

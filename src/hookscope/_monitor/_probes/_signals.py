@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from .._diagnose import Finding, Thresholds
-from .._log import Window
-from .._stats import norms
-from ._buffer import Host, StepBuffer
-from ._dist import local
+from ..._diagnose import Finding, Thresholds
+from ..._log import Window
+from ..._stats import norms
+from .._step._buffer import Host, StepBuffer
+from .._step._dist import local
 
 __all__ = ["Rolling", "SkipList", "Spike", "SpikeWatch", "WeightNorms", "group_of"]
 
