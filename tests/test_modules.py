@@ -8,15 +8,16 @@ import pytest
 import torch
 
 import hookscope as hs
+from hookscope.testing import internals, step_state
 from models import ResNet, gpt2, images, token_ids
 
 
 def test_a_sampled_gpt2_step_records_each_output_that_needs_a_gradient_and_gets_it() -> None:
     model = gpt2().train()
     with hs.Monitor(model, every=1) as mon:
-        hooks = mon._module_hooks
+        hooks = internals(mon).module_hooks
         model(token_ids(), labels=token_ids()).loss.backward()
-        state = hooks.now
+        state = step_state(mon)
         assert state.sampled and state.hooks_ran and state.backward_ran
         # Embeddings, norms, projections, dropouts: every watched module made an output
         # needing a gradient, but the attention dropouts, which SDPA attention never calls.
@@ -33,9 +34,9 @@ def test_an_unsampled_step_flags_only_the_models_edges_and_counts_their_gradient
     model = ResNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # adopted: its check replays the step
     with hs.Monitor(model, every=None, optimizer=opt) as mon:
-        hooks = mon._module_hooks
+        hooks = internals(mon).module_hooks
         model(images()).square().mean().backward()
-        state = hooks.now
+        state = step_state(mon)
     assert state.light and not state.made and not state.got_grad
     assert {(f.module, f.phase) for f in state.trail.flags if f.phase != "param"} == {
         ("", "input"),
@@ -52,11 +53,10 @@ def test_a_sampled_step_after_an_optimizer_is_adopted_reads_only_samples_of_modu
     model = ResNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with hs.Monitor(model, every=1) as mon:
-        hooks = mon._module_hooks
         checked = []
         for _ in range(2):
             model(images()).square().mean().backward()
-            state = hooks.now
+            state = step_state(mon)
             flags = [f for f in state.trail.flags if f.phase not in ("param", "input")]
             checked.append({(f.module, f.phase) for f in flags if f.checked})
             opt.step()
@@ -74,11 +74,10 @@ def test_a_sampled_step_after_an_optimizer_is_adopted_reads_only_samples_of_modu
 def test_a_call_counts_towards_the_statistics_on_sampled_training_steps_only() -> None:
     model = ResNet()
     with hs.Monitor(model, every=2) as mon:
-        hooks = mon._module_hooks
+        hooks = internals(mon).module_hooks
         assert hooks.measures(model.conv1)
-        hooks.tape.paused = True  # a replay of ours
-        assert not hooks.measures(model.conv1)
-        hooks.tape.paused = False
+        with internals(mon).replaying():  # a replay of ours
+            assert not hooks.measures(model.conv1)
         model.eval()
         assert not hooks.measures(model.conv1)
         model.train()
@@ -89,19 +88,15 @@ def test_a_call_counts_towards_the_statistics_on_sampled_training_steps_only() -
 def test_a_flagged_replay_writes_into_its_own_state_and_hands_the_steps_back() -> None:
     model = ResNet()
     with hs.Monitor(model, every=None) as mon:
-        hooks = mon._module_hooks
-        step_state = hooks.now
+        hooks = internals(mon).module_hooks
+        state = step_state(mon)
         with pytest.raises(RuntimeError, match="mid-replay"):
             with hooks.flagging() as replay:
-                assert hooks.now is replay and replay.flagging and not replay.light
-                hooks.tape.paused = True  # as under the op tracer: the hooks still write
-                try:
-                    with torch.no_grad():
-                        model(images())
-                finally:
-                    hooks.tape.paused = False
+                assert step_state(mon) is replay and replay.flagging and not replay.light
+                with internals(mon).replaying(), torch.no_grad():  # as under the op tracer:
+                    model(images())  # the hooks still write
                 raise RuntimeError("mid-replay")
-        assert hooks.now is step_state and not step_state.trail.flags
+        assert step_state(mon) is state and not state.trail.flags
     modules = [f.module for f in replay.trail.flags if f.phase == "forward"]  # every one
     assert modules[:2] == ["conv1", "bn1"] and set(modules) <= set(mon.modules)
     assert len(set(modules)) > 10

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope.testing import step_state
 from models import ResNet, gpt2, images, token_ids
 
 
@@ -27,13 +28,13 @@ def test_each_step_starts_a_new_state_with_nothing_of_the_last() -> None:
     model = ResNet()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with hs.Monitor(model, every=2) as mon:
-        first = mon._now
+        first = step_state(mon)
         model(images()).square().mean().backward()
         opt.step()
         assert first.sampled and first.updates == 1 and first.trail.flags and first.made
         assert first.heard.loss is not None and first.backward_ran and first.hooks_ran
         mon.step()
-        now = mon._now
+        now = step_state(mon)
     assert now is not first
     assert (now.sampled, now.light, now.updates, now.nonfinite, now.heard.loss) == (
         False,
@@ -50,7 +51,7 @@ def test_the_graph_of_a_gpt2_step_links_its_modules_and_has_no_dead_end() -> Non
     with hs.Monitor(model, every=1) as mon:
         ids = token_ids()
         model(ids, labels=ids).loss.backward()
-        state = mon._now
+        state = step_state(mon)
         graph = state.graph()
         mon.step()
     assert ("transformer.h.0.ln_1", "transformer.h.0.attn.c_attn") in graph.edges
@@ -63,10 +64,10 @@ def test_a_head_thrown_away_is_a_dead_end_and_one_without_backward_is_not() -> N
     model = SpareHead()
     with hs.Monitor(model, every=1) as mon:
         model(images()).square().mean()  # no backward yet: nothing can be said
-        assert mon._now.dead_ends() == set()
+        assert step_state(mon).dead_ends() == set()
         mon.step()
         model(images()).square().mean().backward()
-        state = mon._now
+        state = step_state(mon)
         assert state.dead_ends() == {"spare"}
         assert ("net.fc", "spare") in state.graph().edges
         assert state.graph().detached == frozenset({"spare"})
@@ -77,7 +78,7 @@ def test_an_optimizer_that_did_not_step_is_a_skipped_step_event() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with hs.Monitor(model, every=1, optimizer=opt) as mon:
         model(images()).square().mean().backward()
-        state = mon._now
+        state = step_state(mon)
         assert "optimizer.step() did not run" in state.skip_message(0, None, adopted=True)
         assert state.skip_message(0, None, adopted=False) is None  # no optimizer: no update due
         opt.step()

@@ -14,6 +14,7 @@ from torch import nn
 
 import hookscope as hs
 from hookscope._monitor._probes._outputs import TOP_CHANNELS
+from hookscope.testing import internals, step_state
 from models import gpt2, token_ids
 
 pytestmark = [  # Dynamo's own warnings under our "error" filter (as in test_compile.py)
@@ -37,8 +38,7 @@ def test_a_sampled_step_moves_each_modules_top_channels_and_not_its_channel_maxi
     model.get_submodule(name).register_forward_hook(lambda m, a, out: outputs.append(out))
     with hs.Monitor(model, every=1, sample=None) as mon:
         model(token_ids(), labels=token_ids()).loss.backward()
-        state = mon._now
-        host = mon._transfer.to_host(state)
+        state, host = step_state(mon), internals(mon).host_values()
         assert not [k for k in host if k[0] == "act_chan"]  # settled: none of it moves
         row = host[("act_top", name)]
         assert len(row) == 2 * TOP_CHANNELS + 1  # top values, their channels, the median
@@ -57,8 +57,7 @@ def test_an_unsampled_step_moves_the_flags_and_no_statistics() -> None:
     with hs.Monitor(model, every=2) as mon:
         mon.step(loss=0.0)  # step 1: unsampled
         model(token_ids(), labels=token_ids()).loss.backward()
-        state = mon._now
-        host = mon._transfer.to_host(state)
+        state, host = step_state(mon), internals(mon).host_values()
     assert not state.sampled and state.trail.flags
     assert {k[0] for k in host} == {"flag"}
     assert sorted(host) == [("flag", i) for i in range(len(state.trail.flags))]
@@ -73,8 +72,7 @@ def test_a_compiled_step_is_unpacked_into_the_entries_and_flags_of_an_eager_one(
         with hs.Monitor(model, every=1, sample=None) as mon:
             run = torch.compile(model, backend="aot_eager") if compiled else model
             run(x).square().mean().backward()
-            state = mon._now
-            host = mon._transfer.to_host(state)
+            state, host = step_state(mon), internals(mon).host_values()
         return host, [(f.module, f.phase) for f in state.trail.flags]
 
     eager, eager_flags = measured(compiled=False)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from hookscope.testing import internals, step_state
 from models import ResNet, images
 
 
@@ -28,10 +29,10 @@ def test_gradients_read_before_a_clip_are_not_read_again_before_the_update() -> 
         for _ in range(2):
             backward(model)
             mon.read_gradients()
-            read = len(mon._now.trail.flags)
+            read = len(step_state(mon).trail.flags)
             assert read > 0
             opt.step()  # the pre-update read is skipped: no second set of flags
-            assert len(mon._now.trail.flags) == read
+            assert len(step_state(mon).trail.flags) == read
             opt.zero_grad()
             mon.step()  # a new step reads again
 
@@ -41,13 +42,13 @@ def test_before_any_optimizer_every_parameter_is_read_once() -> None:
     with hs.Monitor(model, every=None) as mon:
         backward(model)
         mon.read_gradients()
-        params = {f.param for f in mon._now.trail.flags if f.phase == "param"}
+        params = {f.param for f in step_state(mon).trail.flags if f.phase == "param"}
         assert params == {n for n, p in model.named_parameters()}
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        read = len(mon._now.trail.flags)
+        read = len(step_state(mon).trail.flags)
         opt.step()  # adopted now, and its gradients were read already
-        assert len(mon._now.trail.flags) == read
-        assert [ref() for ref in mon._optim.adopted] == [opt]
+        assert len(step_state(mon).trail.flags) == read
+        assert internals(mon).optimizers == [opt]
 
 
 def test_a_healthy_check_lets_the_update_run_and_carries_the_loss_with_its_transfer() -> None:
@@ -58,7 +59,7 @@ def test_a_healthy_check_lets_the_update_run_and_carries_the_loss_with_its_trans
         backward(model)
         before = model.fc.weight.detach().clone()
         opt.step()
-        state = mon._now
+        state = step_state(mon)
         assert state.nonfinite is None and state.updates == 1 and state.skipped == 0
         assert set(state.carried) == {"loss"}  # moved before the update: not again at step()
         assert not torch.equal(model.fc.weight, before)
@@ -76,7 +77,7 @@ def test_raise_stops_before_the_update_with_nothing_changed() -> None:
         assert raised.value.module == "fc" and raised.value.step == 0
         assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
         assert not opt.state  # the optimizer never ran
-        assert mon._now.early and mon._now.early[0].kind == "nonfinite"
+        assert step_state(mon).early and step_state(mon).early[0].kind == "nonfinite"
 
 
 def test_skip_leaves_weights_optimizer_state_and_running_statistics_as_before() -> None:
@@ -92,7 +93,7 @@ def test_skip_leaves_weights_optimizer_state_and_running_statistics_as_before() 
         assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
         assert all(torch.equal(buffers[n], b) for n, b in model.named_buffers())
         assert not opt.state
-        state = mon._now
+        state = step_state(mon)
         assert (state.updates, state.skipped) == (1, 1)
         found = mon.step()
     events = [r for r in mon.records if r["type"] == "event" and r["kind"] == "skipped_step"]

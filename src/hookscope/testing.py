@@ -1,5 +1,8 @@
 """Helpers for users' own tests: check that no hook was left behind on a model.
 
+:func:`step_state` and :func:`internals` are the one seam through which hookscope's own tests
+read a Monitor's parts: they are not for users and may change between releases.
+
 Example:
     >>> import torch, hookscope as hs, torch.nn as nn
     >>> from hookscope.testing import assert_no_hooks
@@ -11,12 +14,31 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
 from torch import nn
 from torch.optim import optimizer as _optimizer
 
 from ._hooks import live_handle_sets, live_handles, patched
 
-__all__ = ["assert_no_hooks", "assert_torch_untouched", "hooks_on"]
+if TYPE_CHECKING:
+    from ._monitor import Monitor
+    from ._monitor._nonfinite._decide import NonFiniteDecision
+    from ._monitor._step._buffer import Host
+    from ._monitor._step._state import StepState
+    from ._monitor._wiring._modules import ModuleHooks
+
+__all__ = [
+    "Internals",
+    "assert_no_hooks",
+    "assert_torch_untouched",
+    "hooks_on",
+    "internals",
+    "step_state",
+]
 
 _MODULE_HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -120,3 +142,73 @@ def assert_torch_untouched() -> None:
     if held:
         names = [f"{getattr(o, '__name__', type(o).__name__)}.{n} ({u} users)" for o, n, u in held]
         raise AssertionError("hookscope still replaces:\n  " + "\n  ".join(names))
+
+
+# -- the seam of hookscope's own tests: every read of a Monitor's private parts is here ------
+
+
+def step_state(monitor: Monitor) -> StepState:
+    """The state ``monitor``'s hooks write in the current step (flags, statistics buffer,
+    the loss heard, the graph of the modules that ran); a new one after each ``step()``.
+
+    For hookscope's own tests of the Monitor's internals: not for users, and its type and
+    fields may change between releases.
+    """
+    return monitor._now
+
+
+def internals(monitor: Monitor) -> Internals:
+    """The parts of ``monitor`` that hookscope's own tests look into (see :class:`Internals`).
+
+    For hookscope's own tests: not for users, and it may change between releases.
+    """
+    return Internals(monitor)
+
+
+class Internals:
+    """A Monitor's private parts, named once for hookscope's own tests, so that a rename
+    inside the Monitor is followed here and nowhere else. Not for users: any of it may change
+    between releases."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self._monitor = monitor
+
+    @property
+    def module_hooks(self) -> ModuleHooks:
+        """The hooks on the model's modules (``_monitor/_wiring/_modules.py``)."""
+        return self._monitor._module_hooks
+
+    @property
+    def decision(self) -> NonFiniteDecision:
+        """What decides a non-finite step (``_monitor/_nonfinite/_decide.py``)."""
+        return self._monitor._decision
+
+    @property
+    def taped_calls(self) -> list[Any]:
+        """The model calls the flight recorder kept this step (``_nonfinite/_trace.py``)."""
+        return list(self._monitor._tape.calls)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers adopted so far (still alive), in the order they were adopted."""
+        return [opt for ref in self._monitor._optim.adopted if (opt := ref()) is not None]
+
+    @property
+    def update_samples(self) -> dict[str, torch.Tensor]:
+        """The parameters' samples kept from before the update to measure its ratio."""
+        return self._monitor._probes.params._before
+
+    def host_values(self) -> Host:
+        """What the step's one transfer would move to the host now (the step goes on)."""
+        return self._monitor._transfer.to_host(self._monitor._now)
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Run the body as the Monitor's own replays run: the flight recorder keeps no call
+        and no statistic counts it."""
+        tape = self._monitor._tape
+        tape.paused = True
+        try:
+            yield
+        finally:
+            tape.paused = False
