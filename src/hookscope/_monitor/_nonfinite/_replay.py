@@ -98,7 +98,7 @@ def write_bundle(
     names = {id(m): n for n, m in model.named_modules()}
     call_specs = []
     for i, call in enumerate(calls):
-        outputs = call.outputs or []
+        outputs = _unchanged(call)
         call_specs.append(
             {
                 "module": "" if call.module is None else names[id(call.module)],
@@ -112,11 +112,7 @@ def write_bundle(
                     ],
                 },
                 "grads": {str(k): put(f"call{i}/grad{k}", g) for k, g in call.grads.items()},
-                "outputs": {
-                    str(k): put(f"call{i}/out{k}", t)
-                    for k, t in enumerate(outputs)
-                    if isinstance(t, torch.Tensor)
-                },
+                "outputs": {str(k): put(f"call{i}/out{k}", t) for k, t in outputs.items()},
             }
         )
     optim_specs = [_optimizer_spec(opt, f"optim{i}", put) for i, opt in enumerate(optimizers)]
@@ -136,6 +132,19 @@ def write_bundle(
     }
     (path / BUNDLE_JSON).write_text(json.dumps(meta, indent=1, default=_json_default))
     return path
+
+
+def _unchanged(call: Call) -> dict[int, torch.Tensor]:
+    """The call's recorded outputs, by position, that still hold what the model returned:
+    an output the training code changed in place afterwards (one the tape handed on as it
+    is: no gradient) is left out, not compared with its replay."""
+    outputs = call.outputs or []
+    versions = call.versions or [None] * len(outputs)
+    return {
+        k: t
+        for k, (t, v) in enumerate(zip(outputs, versions, strict=False))
+        if isinstance(t, torch.Tensor) and (v is None or t.is_inference() or t._version == v)
+    }
 
 
 def _spec(value: Any, key: str, put: Any) -> Any:

@@ -67,6 +67,8 @@ class Call:
     rng: dict[str, Any]
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: list[torch.Tensor] | None = None  # detached outputs, kept for a flight recorder
+    # each output's version counter when it was kept (None: not tracked, an inference tensor)
+    versions: list[int | None] | None = None
     done: bool = False
     module: nn.Module | None = None
 
@@ -191,7 +193,7 @@ class Tape:
         if output is None:
             return None
         if not torch.is_grad_enabled():
-            self._keep(call, output)
+            self._keep(call, tensors(output))
             return None
         # Hand the caller a fresh alias of each output, whose hook sees only the gradient
         # flowing in from outside the call (not, say, from a loss the model computes itself).
@@ -208,13 +210,17 @@ class Tape:
             self._hooks.tensor(out, lambda g, i=i: self._grad(call, i, g))
             return out
 
+        # The model's own outputs are kept, not the copies: the caller may change its copy in
+        # place (``F.relu(out, inplace=True)``, a head whose first ReLU is in place).
+        originals = tensors(output)
         output = map_tensors(alias, output)
-        self._keep(call, output)
+        self._keep(call, originals)
         return output
 
-    def _keep(self, call: Call, output: Any) -> None:
+    def _keep(self, call: Call, outs: list[torch.Tensor]) -> None:
         if self.keep_outputs:
-            call.outputs = [t.detach() for t in tensors(output)]
+            call.outputs = [t.detach() for t in outs]
+            call.versions = [None if t.is_inference() else t._version for t in outs]
 
     @staticmethod
     def _grad(call: Call, i: int, grad: torch.Tensor) -> None:

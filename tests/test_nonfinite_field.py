@@ -1,0 +1,132 @@
+"""NaN/Inf localisation on runs as users write them (issue 31): bundles of models with two
+outputs whose losses are summed replay bit for bit; a module with its own state is named at
+its step; a NaN loss made between the model and the loss gets its op."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+pytest.importorskip("safetensors")
+
+
+def line_of(marker: str) -> str:
+    lines = Path(__file__).read_text().splitlines()
+    number = next(i + 1 for i, line in enumerate(lines) if line.rstrip().endswith(marker))
+    return f"{Path(__file__).name}:{number}"
+
+
+# -- flight-recorder bundles of models with two outputs --------------------------------------
+
+
+class ShiftedLog(nn.Module):
+    """log(x + shift), the shift a buffer (part of the state a bundle records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.tensor(1.0))
+
+    def forward(self, x):
+        return torch.log(x + self.shift)  # <- the two-head op
+
+
+class TwoHeads(nn.Module):
+    """A CNN trunk with in-place ReLUs, a classification head whose first ReLU is in place
+    (it changes the trunk's output it is given) and a regression head; ``kind`` says how
+    the two outputs are returned."""
+
+    def __init__(self, kind: str = "tuple") -> None:
+        super().__init__()
+        self.kind = kind
+        self.trunk = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            ShiftedLog(),
+        )
+        self.cls = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 4))
+        self.reg = nn.Sequential(nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        h = self.trunk(x)
+        a, b = self.cls(h), self.reg(h)
+        if self.kind == "dict":
+            return {"logits": a, "boxes": b}
+        return a, b
+
+
+def two_heads(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return TwoHeads(kind)
+
+
+def record_two_heads(tmp_path: Path, kind: str, how: str, every: int | None = 10):
+    """Four steps of ``ce(a, y) + mse(b, z)``; at step 2 the trunk's log gets negative inputs
+    (3 of the 8 rows NaN, not all). ``how`` the loop gets the two outputs: calling the model
+    (``"model"``), then changing the logits in place (``"in place"``), or calling its parts
+    as a Lightning ``training_step`` does (``"parts"``)."""
+    model = two_heads(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    x, y, z = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 4, (8,)), torch.randn(8, 1)
+    with hs.Monitor(model, every=every, record_dir=tmp_path) as mon:
+        for step in range(4):
+            model.trunk[-1].shift.fill_(-0.05 if step == 2 else 1.0)
+            if how == "parts":
+                h = model.trunk(x)
+                a, b = model.cls(h), model.reg(h)
+            else:
+                out = model(x)
+                a, b = (out["logits"], out["boxes"]) if kind == "dict" else out
+            if how == "in place":
+                a = nn.functional.relu(a, inplace=True)
+            loss = nn.functional.cross_entropy(a, y) + nn.functional.mse_loss(b, z)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    first = next(f for f in mon.findings if f.kind == "nonfinite")
+    (bundle,) = tmp_path.glob("step*-nonfinite")
+    return first, bundle
+
+
+@pytest.mark.parametrize(
+    ("kind", "how"),
+    [("tuple", "model"), ("tuple", "in place"), ("tuple", "parts"), ("dict", "in place")],
+)
+def test_a_bundle_of_two_summed_outputs_replays_bit_for_bit(tmp_path, kind, how) -> None:
+    first, bundle = record_two_heads(tmp_path, kind, how)
+    where = ("trunk.7", "aten.log", "forward")
+    assert first.step == 2 and (first.module, first.op, first.phase) == where
+    assert first.source.endswith(line_of("# <- the two-head op"))
+    result = hs.replay(bundle, two_heads(kind))
+    assert result.loss_matches is True
+    (replayed,) = result.findings
+    assert (replayed.module, replayed.op, replayed.phase) == where
+    assert replayed.source.endswith(line_of("# <- the two-head op"))
+
+
+def test_a_bundle_still_tells_a_replay_that_differs(tmp_path) -> None:
+    """The comparison is real: the same bundle replayed on other weights does not match."""
+    _, bundle = record_two_heads(tmp_path, "tuple", "in place")
+    model = two_heads("tuple")
+    result = hs.replay(bundle, model)
+    assert result.loss_matches is True
+    meta = json.loads((bundle / "bundle.json").read_text())
+    assert sorted(meta["calls"][0]["outputs"]) == ["0", "1"]
+    from safetensors.torch import load_file, save_file
+
+    store = load_file(str(bundle / "tensors.safetensors"))
+    store["model/cls.1.bias"] = store["model/cls.1.bias"] + 1.0
+    save_file(store, str(bundle / "tensors.safetensors"))
+    assert hs.replay(bundle, two_heads("tuple")).loss_matches is False
