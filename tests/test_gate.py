@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookscope as hs
+from hookscope.testing import internals
 from models import gpt2, token_ids
 
 
@@ -201,7 +202,7 @@ def test_a_loop_that_calls_the_models_parts_keeps_every_hook() -> None:
             opt.step()
             opt.zero_grad()
             mon.step()
-            assert len(mon._tape.calls) == 0  # reset at the step's end
+            assert internals(mon).taped_calls == []  # reset at the step's end
         assert hooked(model)  # the parts' own hooks tape each call: never taken off
 
 

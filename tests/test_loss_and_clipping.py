@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hookscope as hs
-from hookscope.testing import assert_no_hooks
+from hookscope.testing import assert_no_hooks, step_state
 from models import ResNet, gpt2, images, token_ids
 
 
@@ -253,4 +253,4 @@ def test_torch_functions_are_put_back_and_nothing_is_kept() -> None:
     assert current == originals
     assert len(_global_optimizer_pre_hooks) == global_hooks  # GradScaler.step's step counter
     assert_no_hooks(model)
-    assert outer._now.heard.loss is None  # the last step's loss is not kept alive after it
+    assert step_state(outer).heard.loss is None  # the last step's loss is not kept alive after it

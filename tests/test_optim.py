@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.optim import optimizer as torch_optimizer
 
 import hookscope as hs
-from hookscope.testing import assert_no_hooks
+from hookscope.testing import assert_no_hooks, internals
 
 
 def mlp() -> nn.Module:
@@ -145,7 +145,7 @@ def test_a_gans_other_optimizer_is_ignored() -> None:
             g_losses.append(g_loss.item())
             g_opt.step()
             mon.step()
-    assert [ref() for ref in mon._optim.adopted] == [g_opt]
+    assert internals(mon).optimizers == [g_opt]
     # The generator's loss is found; the discriminator's (on detached fakes) is not its own.
     assert set(mon.records[1]["scalars"]) == {"loss", "lr"}
     steps = [r for r in mon.records if r["type"] == "step"]
@@ -194,7 +194,7 @@ def test_update_ratio_from_a_sample_is_close_to_the_exact_one_without_copying_we
             opt.zero_grad()
             exact = ((model[0].weight - before).norm() / before.norm()).item()
             mon.step()
-            assert mon._probes.params._before == {}  # the sampled copy is dropped after the step
+            assert internals(mon).update_samples == {}  # the sampled copy is dropped after the step
             got = mon.records[-1]["param"]["0.weight"]["update_ratio"]
             assert got == pytest.approx(exact, rel=0.1)
 

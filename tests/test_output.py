@@ -5,6 +5,8 @@ the first of each chosen kind recorded, each rank's own log and findings under
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -83,7 +85,15 @@ def test_a_monitors_records_and_findings_are_its_outputs(tmp_path: Path) -> None
         model(images()).square().mean().backward()
         mon.step()
         mon.log("note", text="hello")
+        model(images() * math.nan).square().mean().backward()  # NaN data: a finding
+        found = mon.step()
     lines = (tmp_path / "hookscope.jsonl").read_text().splitlines()
     assert [json.loads(line)["type"] for line in lines] == [r["type"] for r in mon.records]
-    assert [r["type"] for r in mon.records] == ["header", "step", "note"]
-    assert mon.findings is mon._out.findings
+    assert [r["type"] for r in mon.records] == ["header", "step", "note", "step", "finding"]
+    assert [(f.kind, f.module, f.step) for f in found] == [("nonfinite", "conv1", 1)]
+    assert mon.findings == found  # the findings kept are the ones logged
+    logged = [r for r in mon.records if r["type"] == "finding"]
+    assert [{**r, "value": None} for r in logged] == [
+        {"type": "finding", **asdict(f), "value": None} for f in mon.findings
+    ]
+    assert all(math.isnan(r["value"]) for r in logged)  # compared apart: NaN != NaN

@@ -207,10 +207,13 @@ def kinds_of(found: list[hs.Finding], kind: str) -> list[hs.Finding]:
 # -- findings do not clear because their values turned NaN; unbounded growth is a finding ----
 
 
-def mlp_run(case: str, every: int = 10, steps: int = 60) -> tuple[list[float], hs.Monitor]:
-    """An MLP on a linear target under SGD. ``"mse"``: lr 3.0, the loss overflows and every
-    weight ends NaN. ``"unbounded"``: the loss is ``-output.mean()``, which nothing bounds:
-    it falls to -inf while the gradients grow ~1e16-fold. ``"healthy"``: MSE at lr 0.05."""
+def mlp_run(
+    case: str, every: int = 10, steps: int = 60
+) -> tuple[list[float], hs.Monitor, nn.Module]:
+    """An MLP on a linear target under SGD: its losses, Monitor and model. ``"mse"``: lr 3.0,
+    the loss overflows and every weight ends NaN. ``"unbounded"``: the loss is
+    ``-output.mean()``, which nothing bounds: it falls to -inf while the gradients grow
+    ~1e16-fold. ``"healthy"``: MSE at lr 0.05."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1)
@@ -230,20 +233,20 @@ def mlp_run(case: str, every: int = 10, steps: int = 60) -> tuple[list[float], h
             opt.zero_grad()
             mon.step()
             losses.append(loss.item())
-    return losses, mon
+    return losses, mon, model
 
 
 def test_findings_of_a_run_whose_weights_turned_nan_stay_current() -> None:
-    losses, mon = mlp_run("mse")
+    losses, mon, model = mlp_run("mse")
     assert losses[0] < 10 and all(v != v for v in losses[-10:])  # plain torch: NaN
-    assert all(not torch.isfinite(p).any() for p in mon._model.parameters())
+    assert all(not torch.isfinite(p).any() for p in model.parameters())
     diverged = kinds(mon, "exploding_gradient")
     assert diverged and all(f.cleared_at is None for f in mon.findings)
 
 
 @pytest.mark.parametrize("every", [1, 10])
 def test_a_loss_falling_to_minus_inf_with_exploding_gradients_is_a_finding(every) -> None:
-    losses, mon = mlp_run("unbounded", every)
+    losses, mon, _ = mlp_run("unbounded", every)
     assert losses[20] < -1e5 and float("-inf") in losses  # plain torch
     (diverged,) = kinds(mon, "exploding_gradient")
     assert "gradients' total L2 norm" in diverged.message
@@ -251,7 +254,7 @@ def test_a_loss_falling_to_minus_inf_with_exploding_gradients_is_a_finding(every
 
 
 def test_the_healthy_mlp_twin_has_no_finding() -> None:
-    losses, mon = mlp_run("healthy", 1, steps=150)
+    losses, mon, _ = mlp_run("healthy", 1, steps=150)
     assert losses[-1] < 0.2 * losses[0]
     assert mon.findings == []
 
