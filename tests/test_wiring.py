@@ -5,53 +5,16 @@ listener away, and a build that fails half-way leaves nothing behind."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
-from hookscope import SelectionError
-from hookscope._diagnose import Diagnosis, Finding, Thresholds
-from hookscope._monitor._output import Output
-from hookscope._monitor._probes._set import ProbeSet
-from hookscope._monitor._step._state import StepState
-from hookscope._monitor._warnings import Warnings
+import hookscope as hs
 from hookscope._monitor._wiring import _calls
-from hookscope._monitor._wiring._build import Wiring
-from hookscope.testing import assert_no_hooks
+from hookscope.testing import assert_no_hooks, internals, step_state
 from models import ResNet, images
 
 LISTENED = (torch.autograd, "backward")  # one of the functions the listener wraps
-
-
-def wire(model: nn.Module, *, frozen: str | None = None) -> Wiring:
-    modules = {n: m for n, m in model.named_modules() if next(m.children(), None) is None}
-    thresholds = Thresholds()
-    probes = ProbeSet(model, modules, thresholds, sample=256, bins=None, precision=(), world=1)
-    diagnosis = Diagnosis(thresholds, probes.shapes, {})
-    out = Output(
-        [], diagnosis, rank=None, coll=None, record_dir=None, record_on=(), bundle=no_bundle
-    )
-    return Wiring(
-        model,
-        modules,
-        probes,
-        diagnosis,
-        out,
-        coll=None,
-        world=1,
-        warnings=Warnings(),
-        on_nonfinite="log",
-        keep_outputs=False,
-        step=lambda: 0,
-        frozen=frozen,
-        replicated=None,
-    )
-
-
-def no_bundle(finding: Finding, before_update: bool) -> Path:
-    raise AssertionError("no finding kind records a bundle here")
 
 
 def listeners() -> list[object]:
@@ -61,9 +24,9 @@ def listeners() -> list[object]:
 def test_the_parts_share_the_steps_state_the_listener_and_optimizer_hooks_write() -> None:
     model = ResNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    wiring = wire(model)
-    try:
-        state = wiring.module_hooks.now = StepState(sampled=True, light=False)
+    with hs.Monitor(model, every=1) as mon:  # no optimizer yet: every module is checked
+        state = step_state(mon)
+        assert state.sampled and not state.light
         loss = nn.functional.cross_entropy(model(images()), torch.arange(4))
         loss.backward()
         assert state.heard.loss.item() == loss.item() and state.backward_ran and state.hooks_ran
@@ -72,30 +35,29 @@ def test_the_parts_share_the_steps_state_the_listener_and_optimizer_hooks_write(
         read = {f.param for f in state.trail.flags if f.phase == "param"}
         assert read == {n for n, _ in model.named_parameters()}
         opt.step()
-        assert state.updates == 1 and [r() for r in wiring.updates.optim.adopted] == [opt]
+        assert state.updates == 1 and internals(mon).optimizers == [opt]
         assert len({f.param for f in state.trail.flags if f.phase == "param"}) == len(read)
-        host = wiring.transfer.to_host(state)
+        host = internals(mon).host_values()
         assert ("act", "conv1") in host and ("grad", "fc") in host
-    finally:
-        wiring.close()
+        assert step_state(mon) is state  # one state for every part until the step ends
 
 
 def test_close_takes_every_hook_and_the_listener_away() -> None:
     model = ResNet()
-    original = getattr(*LISTENED)
-    wiring = wire(model, frozen="conv1")  # a check with hooks of its own too
-    assert wiring._listener in listeners() and getattr(*LISTENED) is not original
-    wiring.close()
+    original, before = getattr(*LISTENED), listeners()
+    mon = hs.Monitor(model, frozen="conv1")  # a check with hooks of its own too
+    assert len(listeners()) == len(before) + 1 and getattr(*LISTENED) is not original
+    mon.close()
     assert_no_hooks(model)
-    assert wiring._listener not in listeners()
+    assert listeners() == before
     assert getattr(*LISTENED) is original
-    wiring.close()  # twice is fine
+    mon.close()  # twice is fine
 
 
 def test_a_build_that_fails_half_way_leaves_nothing_behind() -> None:
     model = ResNet()
     before = listeners()
-    with pytest.raises(SelectionError):
-        wire(model, frozen="no_such_module")  # after the module and optimizer hooks went on
+    with pytest.raises(hs.SelectionError):
+        hs.Monitor(model, frozen="no_such_module")  # after the module and optimizer hooks
     assert_no_hooks(model)
     assert listeners() == before
