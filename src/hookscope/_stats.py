@@ -265,6 +265,15 @@ class Rows:
 
         return rows, self.cached(("mask", lengths, device), mask), n
 
+    def fill(
+        self, mask: torch.Tensor, lengths: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :func:`row_extremes` adds to rows padded as ``mask`` says (``lengths``: the
+        rows' lengths), made once per layout."""
+        key = ("fill", lengths, mask.device, dtype)
+        low = self.cached((*key, 0), lambda: _fill(mask, dtype)[0])
+        return low, self.cached((*key, 1), lambda: _fill(mask, dtype)[1])
+
 
 @torch.no_grad()
 def row_moments(
@@ -276,7 +285,52 @@ def row_moments(
     """:func:`moments` of each row of ``x`` (``(rows, width)``, float32 or float64, zero past
     each row's ``n`` values where ``mask`` is False; ``n``: the lengths, in ``x``'s dtype):
     ``(rows, len(MOMENTS))``, float32. ``bounds``: per row, ``(rows, 1)`` saturation limits
-    (the bound plus or minus :data:`SAT_MARGIN`; NaN where the row has none)."""
+    (the bound plus or minus :data:`SAT_MARGIN`; NaN where the row has none).
+
+    Counts come from float arithmetic, not comparisons: on the CPU a comparison or a sum of
+    booleans reads a tensor ~10x slower than a float op. Each count is a sum of 0/1 floats
+    (NaN where the element is NaN, which ``nansum`` leaves out), exact below 2**24 per row;
+    wider rows (``sample=None`` on huge outputs) count with comparisons."""
+    if x.shape[1] >= _EXACT_COUNT:
+        return _row_moments_compared(x, mask, n, bounds)
+    width = float(x.shape[1])
+    square = x.square()
+    sums = [x.sum(1), square.sum(1)]
+    scratch = torch.mul(square, x)
+    sums.append(scratch.sum(1))
+    sums.append(torch.mul(square, square, out=scratch).sum(1))
+    magnitude = x.abs()
+    inf = torch.sub(magnitude, torch.finfo(x.dtype).max, out=scratch).clamp_(0, 1).nansum(1)
+    nonzero = magnitude.clamp_(max=1).ceil_()  # 1, 0 for a zero, NaN for a NaN
+    zeros = n - nonzero.nansum(1)
+    nan = width - nonzero.mul_(0).add_(1).nansum(1)  # the padding's zeros are not NaN
+    zeros = zeros - nan
+    if bounds is None:
+        sat = torch.zeros_like(n)
+    else:
+        # x <= lo: 1 - ceil(clamp(x - lo, 0, 1)); x >= hi: 1 - ceil(clamp(hi - x, 0, 1));
+        # NaN (left out) for a NaN value or a row without bounds (clamp keeps a NaN, where
+        # relu and sign do not). The padding's zeros are taken back out.
+        lo, hi = bounds
+        low = 1 - (x - lo).clamp_(0, 1).ceil_()
+        high = 1 - (hi - x).clamp_(0, 1).ceil_()
+        sat = low.nansum(1) + high.nansum(1)
+        if mask is not None:
+            zero = (1 - (-lo).clamp_(0, 1).ceil_()) + (1 - hi.clamp(0, 1).ceil_())
+            sat = sat - (width - n) * torch.nan_to_num(zero[:, 0], nan=0.0)
+    return torch.stack([*sums, zeros, sat, nan, inf, n], 1).float()
+
+
+_EXACT_COUNT = 1 << 24  # float32 counts past this many are no longer exact
+
+
+def _row_moments_compared(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    n: torch.Tensor,
+    bounds: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """:func:`row_moments` with the counts from comparisons (exact integers at any width)."""
     square = x.square()
     zeros = (x == 0).sum(1).to(x.dtype)
     if mask is not None:  # the padding is zeros
@@ -303,21 +357,40 @@ def row_moments(
 
 
 @torch.no_grad()
-def row_extremes(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def row_extremes(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The smallest and the largest value of each row of ``x`` (NaN where a row holds one;
-    padding left out): ``(rows, 2)``, float32."""
+    padding left out): ``(rows, 2)``, float32. ``fill``: what :meth:`Rows.fill` makes of
+    ``mask`` (made here without it), added to leave the padding out with float ops only."""
     if mask is None:
-        lo, hi = torch.aminmax(x, dim=1)
-    else:
-        lo = torch.where(mask, x, math.inf).amin(1)
-        hi = torch.where(mask, x, -math.inf).amax(1)
-    return torch.stack([lo, hi], 1).float()
+        # not aminmax: along a dim it reads ~10x slower on the CPU than amin and amax
+        return torch.stack([x.amin(1), x.amax(1)], 1).float()
+    if fill is None:
+        fill = _fill(mask, x.dtype)
+    return torch.stack([(x + fill[0]).amin(1), (x + fill[1]).amax(1)], 1).float()
+
+
+def _fill(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Added to padded rows: -0.0 on their values (which leaves every value as it is, a
+    -0.0 too) and +inf (for a minimum) or -inf (for a maximum) on the padding."""
+    zero = torch.full(mask.shape, -0.0, dtype=dtype, device=mask.device)
+    return zero.masked_fill(~mask, math.inf), zero.masked_fill(~mask, -math.inf)
 
 
 @torch.no_grad()
 def dead_fraction(units: torch.Tensor, dead_at: float) -> torch.Tensor:
-    """Fraction of units (columns) that are <= 0 on at least ``dead_at`` of their rows."""
-    off = (units.detach() <= 0).float().mean(0)
+    """Fraction of units (columns) that are <= 0 on at least ``dead_at`` of their rows.
+
+    ``1 - ceil(clamp(x, 0, 1))`` is 1 where ``x <= 0``, 0 where it is positive and NaN where
+    it is NaN (``nansum`` leaves it out, as the comparison would): float ops where a
+    comparison of the whole sample reads ~10x slower on the CPU."""
+    units = units.detach()
+    if not units.is_floating_point():
+        units = units.float()
+    off = (1 - units.clamp(0, 1).ceil_()).nansum(0) / units.shape[0]
     return (off >= dead_at).float().mean()
 
 

@@ -143,7 +143,10 @@ class Activations:
             )
         numel = self.rows.const(tuple(float(o.numel) for o in outs), device)
         sums = torch.cat([row_moments(rows, mask, n, bounds), numel[:, None]], 1)
-        extremes = row_extremes(rows, mask)
+        fill = (
+            None if mask is None else self.rows.fill(mask, tuple(o.x.numel() for o in outs), dtype)
+        )
+        extremes = row_extremes(rows, mask, fill)
         if len(names) < len(outs):  # a module called more than once: combine its calls
             sums = sums.new_zeros(len(names), sums.shape[1]).index_add_(
                 0, self.rows.const(slot, device, torch.long), sums
