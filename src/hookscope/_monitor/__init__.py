@@ -329,10 +329,13 @@ class Monitor:
         the gradients of all the model's parameters are read."""
         self._updates.read_gradients(optimizer)
 
-    def _check_before_update(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
-        """The non-finite check before an update (``_wiring/_update.py``; ``hs.watch`` runs it for
-        a model trained by hand). True: skip the update."""
-        return self._updates.check(optimizer, names)
+    def check_hand_update(self) -> None:
+        """For a model its script updates by hand, with no optimizer (``hookscope watch``
+        calls it after each backward of such a model): read the step's gradients and run now
+        the non-finite check run before an optimizer's update (``_wiring/_update.py``), while
+        the weights are still the step's own. Internal to hookscope, not documented API."""
+        self._updates.read_gradients()
+        self._updates.check(None, [])  # type: ignore[arg-type]  # no optimizer: none to skip
 
     # -- the step boundary: one host transfer ------------------------------------------------
     def step(self, *, batch_indices: Any = None, **scalars: Any) -> list[Finding]:

@@ -391,8 +391,7 @@ class Agent:
             return
         self._busy = True
         try:
-            w.monitor.read_gradients()
-            w.monitor._check_before_update(None, [])  # type: ignore[arg-type]
+            w.monitor.check_hand_update()
         except NonFiniteError:
             raise
         except Exception as exc:
