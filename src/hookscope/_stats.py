@@ -85,14 +85,34 @@ class Sampler:
         self._channels: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.k is None or t.numel() <= self.k:
+            return t.reshape(-1)
+        return torch.take(t, self._index_of(t))
+
+    def count(self, t: torch.Tensor) -> int:
+        """How many elements ``self(t)`` holds."""
         n = t.numel()
         if self.k is None or n <= self.k:
-            return t.reshape(-1)
+            return n
+        return self._index_of(t).numel()
+
+    def _index_of(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel()
         key = (n, tuple(t.shape[-2:]), t.device)
         index = self._index.get(key)
         if index is None:
-            index = self._index[key] = strided_index(n, self.k, t.shape, t.device)
-        return torch.take(t, index)
+            index = self._index[key] = strided_index(n, self.k or n, t.shape, t.device)
+        return index
+
+    def into(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``self(t)`` written into ``out`` (1-D, :meth:`count` long; cast to its dtype):
+        a copy of its own, as :meth:`keep` makes, with no tensor in between."""
+        if self.k is None or t.numel() <= self.k:
+            return out.copy_(t.reshape(-1))
+        index = self._index_of(t)
+        if t.dtype == out.dtype and t.device == out.device:
+            return torch.take(t, index, out=out)
+        return out.copy_(torch.take(t, index))
 
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         """``self(t)`` as a tensor of its own, float32 (float64 for float64 input), to keep
@@ -258,6 +278,23 @@ class Rows:
         if min(lengths) == max(lengths):
             return torch.stack(xs), None, n
         rows = self.padded(xs, 0.0)
+
+        def mask() -> torch.Tensor:
+            ends = self.const(lengths, device, torch.long)
+            return torch.arange(rows.shape[1], device=device) < ends[:, None]
+
+        return rows, self.cached(("mask", lengths, device), mask), n
+
+    def placed(
+        self, block: torch.Tensor, lengths: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """As :meth:`pad`, for samples already written into the rows of ``block`` (zeros
+        past each one's length, one row each from the first): no copy."""
+        device, dtype = block.device, block.dtype
+        n = self.const(lengths, device, dtype)
+        rows = block[: len(lengths), : max(lengths)]
+        if min(lengths) == max(lengths):
+            return rows, None, n
 
         def mask() -> torch.Tensor:
             ends = self.const(lengths, device, torch.long)

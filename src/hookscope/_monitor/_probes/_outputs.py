@@ -48,6 +48,7 @@ class _Out(NamedTuple):
     numel: int  # the output's size
     shape: tuple[int, ...]
     channels: tuple[torch.Tensor, int] | None  # each sampled value's channel, how many
+    row: int  # its row in the step's block (``_Block``), -1: a tensor of its own
 
 
 class _Grad(NamedTuple):
@@ -56,6 +57,54 @@ class _Grad(NamedTuple):
     name: str
     x: torch.Tensor
     numel: int
+    row: int  # as ``_Out.row``
+
+
+class _Block:
+    """The rows a step's samples are written into as their hooks run, one zero-padded
+    ``(rows, width)`` tensor per device and dtype, sized as the last stacked pass was: the
+    pass reads them as they are, with no copy into padded rows (``Rows.pad``). A sample
+    that does not fit (more rows or a longer sample than last time, the first step) is a
+    tensor of its own, and its pass pads as before."""
+
+    def __init__(self) -> None:
+        self._size: dict[tuple, tuple[int, int]] = {}  # (device, dtype): (rows, width)
+        self._open: dict[tuple, list] = {}  # (device, dtype): [block, rows used]
+
+    def write(self, sampler: Sampler, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``sampler.keep(t)``, in a row of the block where it fits: the sample and its row
+        (-1: not in the block)."""
+        dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        key = (t.device, dtype)
+        size = self._size.get(key)
+        if size is not None:
+            count = sampler.count(t)
+            place = self._open.get(key)
+            if place is None:
+                place = self._open[key] = [t.new_zeros(size, dtype=dtype), 0]
+            block, row = place
+            if row < size[0] and count <= size[1]:
+                place[1] = row + 1
+                return sampler.into(t, block[row, :count]), row
+        return sampler.keep(t), -1
+
+    def rows(
+        self, table: Rows, xs: list[torch.Tensor], placed: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The samples ``xs`` (one device and dtype; ``placed``: their rows) as ``Rows.pad``
+        gives them: the block itself when they are its rows from the first, in order."""
+        first = xs[0]
+        key = (first.device, first.dtype)
+        lengths = tuple(x.numel() for x in xs)
+        self._size[key] = (len(xs), max(lengths))  # the next step's block
+        place = self._open.get(key)
+        if place is not None and place[1] == len(xs) and placed == list(range(len(xs))):
+            return table.placed(place[0], lengths)
+        return table.pad(xs)
+
+    def close(self) -> None:
+        """The step's pass ran: the next sample starts a new block."""
+        self._open.clear()
 
 
 class Activations:
@@ -81,6 +130,7 @@ class Activations:
         self.sampler, self.dead_at, self.bins = sampler, dead_at, bins
         self.min_units, self.min_samples = dead_min
         self.rows = Rows()
+        self.block = _Block()
 
     def forward(self, buf: StepBuffer, name: str, outs: list[torch.Tensor]) -> None:
         plan = self.plans[name]
@@ -91,7 +141,11 @@ class Activations:
                 self._empty(buf, name, t)
                 continue
             exact = self.sampler.k is None  # the whole output: measured now, not kept
-            x = self.sampler.exact(t) if exact else self.sampler.keep(t)
+            row = -1
+            if exact:
+                x = self.sampler.exact(t)
+            else:
+                x, row = self.block.write(self.sampler, t)
             first = x if first is None else first
             channels = None
             if t.dim() >= 2 and t.shape[channel_dim(t)] >= 2:
@@ -99,7 +153,7 @@ class Activations:
                     _channels(buf, name, self.sampler.channel_amax(t, x))
                 else:
                     channels = self.sampler.channel_ids(t)
-            out = _Out(name, x, t.numel(), tuple(t.shape), channels)
+            out = _Out(name, x, t.numel(), tuple(t.shape), channels, row)
             if exact:
                 self._finish(buf, [out])
             else:
@@ -123,14 +177,15 @@ class Activations:
     def _finish(self, buf: StepBuffer, outs: list[_Out]) -> None:
         """Every kept sample's statistics in one pass per dtype: moments, extremes and
         channel maxima of each row, combined over the calls of each module."""
-        groups: dict[torch.dtype, list[_Out]] = {}
+        groups: dict[tuple, list[_Out]] = {}
         for out in outs:
-            groups.setdefault(out.x.dtype, []).append(out)
+            groups.setdefault((out.x.device, out.x.dtype), []).append(out)
         for group in groups.values():
             self._finish_group(buf, group)
+        self.block.close()
 
     def _finish_group(self, buf: StepBuffer, outs: list[_Out]) -> None:
-        rows, mask, n = self.rows.pad([o.x for o in outs])
+        rows, mask, n = self.block.rows(self.rows, [o.x for o in outs], [o.row for o in outs])
         device, dtype = rows.device, rows.dtype
         layout = tuple((o.name, o.shape, o.x.numel()) for o in outs)
         names, slot, calls = _slots([o.name for o in outs])
@@ -302,6 +357,7 @@ class OutputGrads:
         self.order: list[str] = []  # modules in the order their gradients arrived
         self._seen: set[str] = set()  # of those, this step's (their samples wait)
         self.rows = Rows()
+        self.block = _Block()
         # Data-parallel training averages the ranks' losses: the gradient of the global loss
         # with respect to one rank's output is that rank's gradient divided by the world.
         self.scale = 1.0 / world
@@ -318,18 +374,19 @@ class OutputGrads:
             buf.add(("grad", name), grad.new_zeros(3, dtype=torch.float32))
             buf.add(("grad_absmax", name), grad.new_zeros((), dtype=torch.float32), "max")
         elif self.sampler.k is None:
-            self._finish(buf, [_Grad(name, self.sampler.exact(grad), grad.numel())])
+            self._finish(buf, [_Grad(name, self.sampler.exact(grad), grad.numel(), -1)])
         else:
-            buf.keep(self._finish, _Grad(name, self.sampler.keep(grad), grad.numel()))
+            x, row = self.block.write(self.sampler, grad)
+            buf.keep(self._finish, _Grad(name, x, grad.numel(), row))
 
     def _finish(self, buf: StepBuffer, grads: list[_Grad]) -> None:
         """Every kept sample's sum of squares and largest magnitude, in one pass per dtype,
         combined over the gradients of each module."""
-        groups: dict[torch.dtype, list[_Grad]] = {}
+        groups: dict[tuple, list[_Grad]] = {}
         for g in grads:
-            groups.setdefault(g.x.dtype, []).append(g)
+            groups.setdefault((g.x.device, g.x.dtype), []).append(g)
         for group in groups.values():
-            rows, _, n = self.rows.pad([g.x for g in group])
+            rows, _, n = self.block.rows(self.rows, [g.x for g in group], [g.row for g in group])
             device = rows.device
             numel = self.rows.const(tuple(float(g.numel) for g in group), device)
             # the padding is zeros: nothing to mask for a sum of squares or a magnitude
@@ -344,6 +401,7 @@ class OutputGrads:
             for name, row, big in zip(names, sums.unbind(0), absmax.unbind(0), strict=True):
                 buf.add(("grad", name), row)
                 buf.add(("grad_absmax", name), big, "max")
+        self.block.close()
 
     def layout(self) -> list[Entry]:
         entries = []
@@ -377,6 +435,7 @@ class OutputGrads:
         self.order.clear()
         self._seen.clear()
         self.loss_scale = 1.0
+        self.block.close()
 
 
 def _channels(buf: StepBuffer, name: str, amax: torch.Tensor) -> None:

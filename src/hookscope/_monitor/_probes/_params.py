@@ -81,8 +81,7 @@ class Params:
             squares = torch._foreach_mul(values, values) if values else []
         else:
             squares = norms([local(self.params[n].grad) for n in names], squared=True)
-        for name, square in zip(names, squares, strict=True):
-            buf.set(("param", name, "grad_norm"), square)
+        buf.set_many([("param", name, "grad_norm") for name in names], list(squares))
 
     def before_update(self, names: list[str]) -> None:
         for name in names:
@@ -104,11 +103,9 @@ class Params:
                 befores = [before for _, before in kept]
                 nows = [self.sampler(local(self.params[name])) for name, _ in kept]
                 deltas = norms(torch._foreach_sub(nows, befores), squared=True)
-                for (name, _), delta, size in zip(
-                    kept, deltas, norms(befores, squared=True), strict=True
-                ):
-                    buf.set(("param", name, "delta"), delta)
-                    buf.set(("param", name, "before"), size)
+                sizes = norms(befores, squared=True)
+            keys = [("param", name, stat) for stat in ("delta", "before") for name, _ in kept]
+            buf.set_many(keys, deltas + sizes)
         self._weightnorms(buf, names)
         self._done.update(names)
 
@@ -119,8 +116,7 @@ class Params:
 
     def _weightnorms(self, buf: StepBuffer, names: list[str]) -> None:
         weights = [local(self.params[n]) for n in names]
-        for name, square in zip(names, norms(weights, squared=True), strict=True):
-            buf.set(("param", name, "norm"), square)
+        buf.set_many([("param", n, "norm") for n in names], norms(weights, squared=True))
 
     def layout(self, rank: int) -> list[Entry]:
         entries = []
@@ -179,17 +175,40 @@ class BatchNorms:
                 b.copy_(saved)
 
     def collect(self, buf: StepBuffer) -> None:
+        """Every BatchNorm's figures in a few ops for all of them (one per BatchNorm for the
+        means, fused ones for the drifts), not a dozen per BatchNorm."""
+        names, means, variances = [], [], []
         for name, bn in self.modules.items():
             if bn.running_mean is None or bn.running_var is None:
                 continue
-            mean, var = bn.running_mean.detach().float(), bn.running_var.detach().float()
-            prev = self._prev.get(name)
-            if prev is None:
-                drift = mean.new_full((2,), math.nan)
-            else:
-                drift = torch.stack([_relative(mean, prev[0]), _relative(var, prev[1])])
-            self._prev[name] = (mean.clone(), var.clone())
-            buf.set(("bn", name), torch.cat([mean.mean().reshape(1), var.mean().reshape(1), drift]))
+            names.append(name)
+            means.append(bn.running_mean.detach().float())
+            variances.append(bn.running_var.detach().float())
+        if not names:
+            return
+        now = means + variances
+        # mean() on the CPU is sum() / numel: the same figure, then one division for all
+        sums = torch.stack([t.sum() for t in now])
+        avg = sums / torch.tensor([float(t.numel()) for t in now], device=sums.device)
+        drift = avg.new_full((len(now),), math.nan)
+        prev = [self._prev.get(name) for name in names]
+        seen = [i for i, p in enumerate(prev) if p is not None]
+        if seen:
+            count = len(names)
+            olds = [prev[i][0] for i in seen] + [prev[i][1] for i in seen]  # type: ignore[index]
+            news = [means[i] for i in seen] + [variances[i] for i in seen]
+            with torch.no_grad():
+                moved = norms(torch._foreach_sub(news, olds))
+                size = norms(olds)
+            at = torch.tensor(seen + [count + i for i in seen], device=drift.device)
+            # ||now - before|| / (||before|| + 1e-12), as one BatchNorm's were
+            drift = drift.index_copy(0, at, torch.stack(moved) / (torch.stack(size) + 1e-12))
+        copies = torch._foreach_mul(now, 1.0)  # a copy of each (-0.0 and NaN kept)
+        count = len(names)
+        for i, name in enumerate(names):
+            self._prev[name] = (copies[i], copies[count + i])
+        rows = torch.stack([avg[:count], avg[count:], drift[:count], drift[count:]], 1)
+        buf.set_many([("bn", name) for name in names], list(rows.unbind(0)))
 
     def layout(self, rank: int) -> list[Entry]:
         """Running statistics: rank 0's (DDP broadcasts rank 0's buffers at each forward)."""
@@ -206,7 +225,3 @@ class BatchNorms:
                         strict=True,
                     )
                 )
-
-
-def _relative(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(now - before) / (torch.linalg.vector_norm(before) + 1e-12)
