@@ -37,7 +37,6 @@ import torch
 
 from ..._diagnose import Finding, Thresholds
 from ..._log import Window
-from ..._stats import norms
 from .._step._buffer import Host, StepBuffer
 from .._step._dist import local
 
@@ -135,6 +134,9 @@ class WeightNorms:
             indices.append(i)
             tensors.append((p, max(1, -(-shard.numel() // WEIGHT_SAMPLE))))
         self._kinds = list(kinds.values())
+        self._params = [[p for p, _ in tensors] for _, tensors in self._kinds]
+        # no DTensor among them: each is its own shard (no ``local`` per parameter and step)
+        self._plain = [all(local(p) is p for p in params) for params in self._params]
         # per kind, the sample views of the last step and the data pointers they view: made
         # again only when a weight's memory moved (``model.to()``, ``p.data = ...``, a
         # reshard), not per step (two ops per parameter and step otherwise)
@@ -147,7 +149,8 @@ class WeightNorms:
         self._measured = True
         with torch.no_grad():  # views of the weights, nothing to detach
             for k, (_, tensors) in enumerate(self._kinds):
-                shards = [local(p) for p, _ in tensors]
+                params = self._params[k]
+                shards = params if self._plain[k] else [local(p) for p in params]
                 where = [t.data_ptr() for t in shards]
                 cached = self._views[k]
                 if cached is None or cached[0] != where:
@@ -158,15 +161,21 @@ class WeightNorms:
                     cached = (where, views)
                     contiguous = all(t.is_contiguous() for t in shards)
                     self._views[k] = cached if contiguous else None
-                buf.set(("weights", k), torch.stack(norms(cached[1], 1)))
+                views = cached[1]
+                half = views[0].dtype in (torch.float16, torch.bfloat16)
+                values = torch._foreach_norm(views, 1, dtype=torch.float32 if half else None)
+                buf.set(("weights", k), torch.stack(values).float())
 
     def read(self, host: Host) -> dict[str, float]:
         self._measured = False
         sums: dict[str, float] = {}
         for k, (indices, _) in enumerate(self._kinds):
             values = host.get(("weights", k))
-            for i, value in zip(indices, values or (), strict=False):
-                sums[self.group[i]] = sums.get(self.group[i], 0.0) + value
+            if values:
+                group = self.group
+                for i, value in zip(indices, values, strict=False):
+                    g = group[i]
+                    sums[g] = sums[g] + value if g in sums else value
         return sums
 
 
@@ -217,16 +226,54 @@ class SpikeWatch:
         )
         self._rows: deque[_Row] = deque(maxlen=self.n + self.lead_max + 1)
         self._losses: deque[float] = deque(maxlen=self.n)
-        # this step's parameter -> (flag index, group): a gradient read again (a closure
-        # optimizer, after its closure) replaces the earlier reading
-        self._flags: dict[str, tuple[int, str]] = {}
+        # this step's readings of gradient norms: (first flag, its parameters' groups)
+        self._blocks: list[tuple[int, tuple[tuple[int, str, str], ...]]] = []
+        self._grouping: dict[tuple[str, ...], tuple[tuple[int, str, str], ...]] = {}
+        self._read: tuple[dict[str, float], float | None] | None = None  # ``_squares``
         self._spiking = False
 
-    def flags(self, start: int, stop: int, params: Sequence[str | None]) -> None:
-        """The non-finite flags ``start:stop`` hold the L2 gradient norms of ``params``."""
-        for index, param in zip(range(start, stop), params, strict=True):
-            if param in self.group:
-                self._flags[param] = (index, self.group[param])
+    def flags(self, start: int, params: Sequence[str]) -> None:
+        """The non-finite flags from ``start`` on hold the L2 gradient norms of ``params``,
+        one each (a gradient read again, by a closure optimizer after its closure, replaces
+        the earlier reading)."""
+        self._blocks.append((start, self._grouped(params)))
+        self._read = None
+
+    def _grouped(self, params: Sequence[str]) -> tuple[tuple[int, str, str], ...]:
+        """``(position, parameter, group)`` of the parameters among ``params`` that have a
+        group, cached per list of names (an optimizer reads the same ones every step)."""
+        names = tuple(params)
+        found = self._grouping.get(names)
+        if found is None:
+            group = self.group
+            found = tuple((i, p, group[p]) for i, p in enumerate(names) if p in group)
+            if len(self._grouping) > 64:
+                self._grouping.clear()
+            self._grouping[names] = found
+        return found
+
+    def _squares(self, host: Host) -> tuple[dict[str, float], float | None]:
+        """Per group, the sum of squares of its gradients' norms read this step, and the
+        sum over all (``None`` when no gradient was read); asked once a step."""
+        if self._read is not None:
+            return self._read
+        blocks = self._blocks
+        if len(blocks) > 1:  # read again: the last reading of each parameter counts
+            last = {p: (start + i, g) for start, grouped in blocks for i, p, g in grouped}
+            rows = [(index, g) for index, g in last.values()]
+        else:
+            rows = [(start + i, g) for start, grouped in blocks for i, _, g in grouped]
+        squares: dict[str, float] = {}
+        total, any_read = 0.0, False
+        for index, group in rows:
+            value = host.get(("flag", index))
+            if value is not None:
+                square = value[0] ** 2
+                squares[group] = squares[group] + square if group in squares else square
+                total += square
+                any_read = True
+        self._read = (squares, total if any_read else None)
+        return self._read
 
     def weights(self, buf: StepBuffer) -> None:
         """Before an update: measure the weights the step's forward used."""
@@ -234,27 +281,45 @@ class SpikeWatch:
 
     def total(self, host: Host) -> float | None:
         """The L2 norm of every gradient read this step (``None`` when none was)."""
-        values = [host.get(("flag", index)) for index, _ in self._flags.values()]
-        squares = [v[0] ** 2 for v in values if v is not None]
-        return math.sqrt(sum(squares)) if squares else None
+        total = self._squares(host)[1]
+        return None if total is None else math.sqrt(total)
 
     def observe(self, step: int, scalars: dict[str, float], host: Host) -> Spike | None:
         """Add one step to the window; the spike that starts at it, if any."""
-        squares: dict[str, float] = {}
-        for index, group in self._flags.values():
-            value = host.get(("flag", index))
-            if value is not None:
-                squares[group] = squares.get(group, 0.0) + value[0] ** 2
+        squares = self._squares(host)[0]
         grads = {group: math.sqrt(square) for group, square in squares.items()}
-        self._flags = {}
+        self._blocks, self._read = [], None
         loss = scalars.get("loss")
-        score = None if loss is None else self.loss_rule.score(self._losses, loss)
+        calm = loss is None or self._calm(loss)
+        score = None if calm else self.loss_rule.score(self._losses, loss)
         self._rows.append(_Row(step, dict(scalars), grads, self._weights.read(host)))
         if loss is not None:
             self._losses.append(loss)
         spiking = score is not None and score > 1.0
         started, self._spiking = spiking and not self._spiking, spiking
         return self._spike(step, loss, score) if started else None
+
+    def _calm(self, loss: float) -> bool:
+        """Whether ``loss`` is surely in range, by bounds cheaper than the rule's score (a
+        sort, no logarithms): at most ``1 + spike_rel`` times the lower middle of the
+        window's losses and at most ``spike_jump`` times the median of the recent ones,
+        with a margin for rounding. Where it cannot tell, the rule decides."""
+        rule = self.loss_rule
+        past = [v for v in self._losses if math.isfinite(v)]
+        if len(past) < rule.min_history or not math.isfinite(loss) or loss <= 0:
+            return len(past) < rule.min_history  # too little history: no score at all
+        ordered = sorted(past)
+        if ordered[0] <= 0:
+            return False
+        low_middle = ordered[(len(ordered) - 1) // 2]
+        if loss > low_middle * (1.0 + rule.rel) * (1.0 - 1e-9):
+            return False
+        if rule.jump is None:
+            return True
+        if rule.jump <= 1.0:
+            return False
+        recent = sorted(past[-rule.recent :])
+        return loss <= recent[(len(recent) - 1) // 2] * rule.jump * (1.0 - 1e-9)
 
     def _spike(self, step: int, loss: float, score: float) -> Spike:
         rows = list(self._rows)

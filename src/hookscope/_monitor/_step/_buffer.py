@@ -39,6 +39,10 @@ class StepBuffer:
         self._reduce: dict[Hashable, Reduce] = {}
         self._host: Host = {}
         self._kept: dict[Callable[[StepBuffer, list[Any]], None], list[Any]] = {}
+        # Blocks (``set_block``): one 1-D tensor standing for many keys, one element each,
+        # under a key of its own in ``_values``; its keys, by that key
+        # (its keys' prefix, first number, count)
+        self._blocks: dict[Hashable, tuple[str, int, int]] = {}
 
     def keep(self, finish: Callable[[StepBuffer, list[Any]], None], item: Any) -> None:
         """Keep ``item`` until :meth:`settle`, which calls ``finish(self, items)`` with the
@@ -60,6 +64,8 @@ class StepBuffer:
 
     def add(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
         """Put ``value`` under ``key``, or combine it with what is there by ``reduce``."""
+        if self._blocks and self._in_block(key):
+            self._unblock()
         value = value.detach() if value.requires_grad else value
         old = self._values.get(key)
         if old is None:
@@ -70,12 +76,16 @@ class StepBuffer:
 
     def set(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
         """Put ``value`` under ``key``, replacing what is there."""
+        if self._blocks and self._in_block(key):
+            self._unblock()
         self._host.pop(key, None)
         self._values[key] = value.detach() if value.requires_grad else value
         self._reduce[key] = reduce
 
     def set_many(self, keys: list[Hashable], values: list[torch.Tensor]) -> None:
         """:meth:`set` each of ``keys`` to its value in ``values`` (detached, ``"sum"``)."""
+        if self._blocks and any(self._in_block(key) for key in keys):
+            self._unblock()
         host, store, reduce = self._host, self._values, self._reduce
         for key, value in zip(keys, values, strict=True):
             if host:
@@ -83,24 +93,75 @@ class StepBuffer:
             store[key] = value.detach() if value.requires_grad else value
             reduce[key] = "sum"
 
+    def set_block(self, prefix: str, start: int, value: torch.Tensor) -> None:
+        """:meth:`set` the keys ``(prefix, start)``, ``(prefix, start + 1)``, ... (new keys:
+        none waits in the buffer) each to its element of the 1-D ``value`` (``"sum"``): one
+        tensor to move, not one per key (a step's parameter flags). The keys read as any
+        others on the host; a block is split into its keys only where one is asked for alone
+        (:meth:`value`, :meth:`take`, a collective's :meth:`pending_keys`)."""
+        n = value.numel()
+        if not n:
+            return
+        if self._host:
+            for i in range(start, start + n):
+                self._host.pop((prefix, i), None)
+        block = ("block", prefix, start, len(self._blocks))
+        self._blocks[block] = (prefix, start, n)
+        self._values[block] = value.detach() if value.requires_grad else value
+        self._reduce[block] = "sum"
+
+    def _in_block(self, key: Hashable) -> bool:
+        return any(
+            type(key) is tuple
+            and len(key) == 2
+            and key[0] == prefix
+            and start <= key[1] < start + n
+            for prefix, start, n in self._blocks.values()
+        )
+
+    def _unblock(self) -> None:
+        """Every block split into its keys, each in the block's place among the values."""
+        if not self._blocks:
+            return
+        values, reduce = self._values, self._reduce
+        items = list(values.items())
+        values.clear()
+        for key, value in items:
+            block = self._blocks.get(key)
+            if block is None:
+                values[key] = value
+                continue
+            del reduce[key]
+            prefix, start, n = block
+            for i in range(n):
+                values[prefix, start + i] = value[i]
+                reduce[prefix, start + i] = "sum"
+        self._blocks.clear()
+
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._values or key in self._host
+        return key in self._values or key in self._host or self._in_block(key)
 
     def pending(self) -> int:
         """How many values wait for the next transfer."""
+        self._unblock()
         return len(self._values)
 
     def pending_keys(self) -> list[Hashable]:
         """The keys whose values wait for the next transfer."""
+        self._unblock()
         return list(self._values)
 
     def value(self, key: Hashable) -> torch.Tensor | None:
         """The device value under ``key`` that waits for the next transfer, if any."""
+        if self._blocks and self._in_block(key):
+            self._unblock()
         return self._values.get(key)
 
     def take(self, key: Hashable) -> torch.Tensor | None:
         """Remove and return the waiting device value under ``key`` (for a collective that
         moves it itself; :meth:`absorb` hands the result back)."""
+        if self._blocks and self._in_block(key):
+            self._unblock()
         return self._values.pop(key, None)
 
     def absorb(self, host: Host) -> None:
@@ -119,14 +180,24 @@ class StepBuffer:
         first.
         """
         self.settle()
-        waiting, host = self._values, self._host
+        if only is not None:
+            self._unblock()
+        waiting, host, blocks = self._values, self._host, self._blocks
         keys = list(waiting) if only is None else [k for k in waiting if only(k)]
         if keys:
             for key, new in zip(keys, _to_lists([waiting[k] for k in keys]), strict=True):
+                block = blocks.get(key) if blocks else None
+                if block is not None:  # one number per key of the block
+                    prefix, first, _ = block
+                    for i, number in enumerate(new, first):
+                        old = host.get((prefix, i))
+                        host[prefix, i] = [number] if old is None else [old[0] + number]
+                    continue
                 old = host.get(key)
                 host[key] = new if old is None else combine(self._reduce[key], old, new)
             if only is None:
                 waiting.clear()
+                blocks.clear()
             else:
                 for key in keys:
                     del waiting[key]

@@ -76,11 +76,11 @@ class Updates:
         and on every step their non-finite flags and the rolling window's figures."""
         s, probes = self._hooks.now, self._probes
         first = len(s.trail.flags)
-        found = s.trail.parameters(s.buf, probes.params.params, names)
+        read, values = s.trail.parameters(s.buf, probes.params.params, names)
         if s.sampled:  # the flags' L2 norms are the gradient norms: no second pass
+            found = dict(zip(read, values, strict=True))
             probes.params.read_grads(s.buf, names, stepped=optimizer is not None, known=found)
-        flags = s.trail.flags[first:]  # their L2 norms feed the rolling window too
-        probes.spikes.flags(first, len(s.trail.flags), [f.param for f in flags])
+        probes.spikes.flags(first, read)  # their L2 norms feed the rolling window too
         probes.spikes.weights(s.buf)
 
     def check(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
