@@ -80,7 +80,7 @@ class StaleGradients:
         self._since: dict[int, _Since] = {}
         # per optimizer: its parameters of the model, largest first (while its groups stay)
         self._largest: dict[int, tuple[weakref.ref, int, list[tuple[str, nn.Parameter]]]] = {}
-        self._index: dict[tuple[int, int], torch.Tensor] = {}  # (param id, numel) -> index
+        self._index: dict[tuple, torch.Tensor] = {}  # (param id, numel, device) -> index
         self._pending: list[tuple[str, _Since, torch.Tensor]] = []
         ctx.hooks.optimizer_step_pre_global(self._pre)
         ctx.hooks.optimizer_step_post_global(self._post)
@@ -128,10 +128,11 @@ class StaleGradients:
         return ours
 
     def _index_of(self, p: nn.Parameter) -> torch.Tensor:
-        grad = local(p.grad)
-        key = (id(p), grad.numel())
+        grad = p.grad if type(p.grad) is torch.Tensor else local(p.grad)
+        # (``get_device``: an int, no device object made per step)
+        key = (id(p), grad.numel(), grad.get_device(), grad.is_cuda)
         index = self._index.get(key)
-        if index is None or index.device != grad.device:
+        if index is None:
             index = self._index[key] = spread(grad, ELEMENTS)
         return index
 

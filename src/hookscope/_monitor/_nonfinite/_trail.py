@@ -79,6 +79,8 @@ class NonFiniteTrail:
         self.detached: set[str] = set()  # producers whose output a consumer got detached
         self._storage: dict[int, str] = {}  # data_ptr of each output -> module that made it
         self._params: dict[str, torch.nn.Parameter] = {}  # by name, for their gradients' flags
+        # (first, count) of the flags put in the buffer as one block (``StepBuffer.set_block``)
+        self.blocks: list[tuple[int, int]] = []
 
     def forward(
         self,
@@ -168,6 +170,7 @@ class NonFiniteTrail:
         self.flags.extend(flags)
         try:
             buf.set_block("flag", start, torch.stack(values))
+            self.blocks.append((start, len(flags)))
         except RuntimeError:  # on several devices (or none)
             buf.set_many([("flag", i) for i in range(start, start + len(flags))], values)
         return names, values
@@ -188,11 +191,28 @@ class NonFiniteTrail:
             buf.set(("flag", index), value)
         return index
 
+    def _sum(self, host: Host) -> float:
+        """The sum of every checked flag's value: finite when every flag is. A block moved
+        whole is summed from its one list."""
+        flags, total, whole = self.flags, 0.0, {}
+        for start, n in self.blocks:
+            values = host.get(("block", "flag", start))
+            if values is not None:
+                total += sum(values)
+                whole[start] = n
+        i, count = 0, len(flags)
+        while i < count:
+            if i in whole:
+                i += whole[i]
+                continue
+            if flags[i].checked:
+                total += host[("flag", i)][0]
+            i += 1
+        return total
+
     def localise(self, host: Host, step: int) -> Finding | None:
         """The module where the first NaN/Inf of this step appeared, forward pass first."""
-        flags = self.flags
-        checked = [host[("flag", i)][0] for i in range(len(flags)) if flags[i].checked]
-        if math.isfinite(sum(checked)):  # every flag finite (the sum of finite norms may
+        if math.isfinite(self._sum(host)):  # every flag finite (a sum of finite norms may
             return None  # overflow to Inf: then each flag is looked at)
         bad = [
             f.checked

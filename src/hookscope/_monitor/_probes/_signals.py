@@ -258,13 +258,21 @@ class SpikeWatch:
         if self._read is not None:
             return self._read
         blocks = self._blocks
+        squares: dict[str, float] = {}
+        total, any_read = 0.0, False
+        whole = host.get(("block", "flag", blocks[0][0])) if len(blocks) == 1 else None
+        if whole is not None:  # the one reading, moved as one list (``StepBuffer``)
+            for i, _, group in blocks[0][1]:
+                square = whole[i] ** 2
+                squares[group] = squares[group] + square if group in squares else square
+                total += square
+            self._read = (squares, total if blocks[0][1] else None)
+            return self._read
         if len(blocks) > 1:  # read again: the last reading of each parameter counts
             last = {p: (start + i, g) for start, grouped in blocks for i, p, g in grouped}
             rows = [(index, g) for index, g in last.values()]
         else:
             rows = [(start + i, g) for start, grouped in blocks for i, _, g in grouped]
-        squares: dict[str, float] = {}
-        total, any_read = 0.0, False
         for index, group in rows:
             value = host.get(("flag", index))
             if value is not None:

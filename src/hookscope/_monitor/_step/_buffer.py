@@ -98,7 +98,9 @@ class StepBuffer:
         none waits in the buffer) each to its element of the 1-D ``value`` (``"sum"``): one
         tensor to move, not one per key (a step's parameter flags). The keys read as any
         others on the host; a block is split into its keys only where one is asked for alone
-        (:meth:`value`, :meth:`take`, a collective's :meth:`pending_keys`)."""
+        (:meth:`value`, :meth:`take`, a collective's :meth:`pending_keys`). A transfer that
+        moved the block whole also leaves its numbers on the host as one list, under
+        ``("block", prefix, start)``, for readers of every key at once."""
         n = value.numel()
         if not n:
             return
@@ -189,9 +191,13 @@ class StepBuffer:
                 block = blocks.get(key) if blocks else None
                 if block is not None:  # one number per key of the block
                     prefix, first, _ = block
+                    fresh = True
                     for i, number in enumerate(new, first):
                         old = host.get((prefix, i))
                         host[prefix, i] = [number] if old is None else [old[0] + number]
+                        fresh = fresh and old is None
+                    if fresh:  # and the numbers at once: ``("block", prefix, first)``
+                        host["block", prefix, first] = new
                     continue
                 old = host.get(key)
                 host[key] = new if old is None else combine(self._reduce[key], old, new)

@@ -76,7 +76,9 @@ class StepState:
         the buffer, for the transfer before an update: on an unsampled step ``step()`` then
         has nothing left to move, and the step costs one host sync, not two."""
         heard = self.heard.scalars()
-        for key, value in split_scalars(heard)[0].items():
+        # (the loss as heard is moved as it is: no conversion per step)
+        given = heard if all(_ready(v) for v in heard.values()) else split_scalars(heard)[0]
+        for key, value in given.items():
             self.buf.set(("scalar", key), value)
             self.carried[key] = (heard[key], version(heard[key]))
 
@@ -85,11 +87,15 @@ class StepState:
         tensors go into the buffer unless they moved before the update already. Returns the
         tensors' keys, sorted, and the numbers."""
         named = {**self.heard.scalars(), **scalars}
-        given, plain = split_scalars(named)
+        carried = [
+            k for k, v in named.items() if isinstance(v, torch.Tensor) and self._was_carried(k, v)
+        ]
+        # (those that moved already are not converted again)
+        fresh = {k: v for k, v in named.items() if k not in carried} if carried else named
+        given, plain = split_scalars(fresh)
         for key, value in given.items():
-            if not self._was_carried(key, named[key]):
-                self.buf.set(("scalar", key), value)
-        return sorted(given), plain
+            self.buf.set(("scalar", key), value)
+        return sorted([*given, *carried]), plain
 
     def _was_carried(self, key: str, value: torch.Tensor) -> bool:
         """``value`` (given to ``step()`` or heard) is the scalar already moved under ``key``:
@@ -98,6 +104,8 @@ class StepState:
         if carried is None:
             return False
         moved, then = carried
+        if value is moved:  # the tensor heard (``loss``)
+            return then is not None and version(value) == then
         return (
             then is not None  # an inference tensor keeps no version: moved again
             and value.data_ptr() == moved.data_ptr()
@@ -142,3 +150,14 @@ class StepState:
                 "finding Inf/NaN gradients)"
             )
         return None
+
+
+def _ready(value: torch.Tensor) -> bool:
+    """A scalar tensor as the step's transfer takes it: detached, ``float32``, shape ``(1,)``
+    (the loss a backward pass heard is, ``_wiring/_calls.py``)."""
+    return (
+        type(value) is torch.Tensor
+        and value.dtype is torch.float32
+        and not value.requires_grad
+        and value.shape == (1,)
+    )
