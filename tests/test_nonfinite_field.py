@@ -130,3 +130,125 @@ def test_a_bundle_still_tells_a_replay_that_differs(tmp_path) -> None:
     store["model/cls.1.bias"] = store["model/cls.1.bias"] + 1.0
     save_file(store, str(bundle / "tensors.safetensors"))
     assert hs.replay(bundle, two_heads("tuple")).loss_matches is False
+
+
+# -- a NaN loss made between the model and the loss ------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    """A torchvision-style CNN with in-place ReLUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.features(x), 1))
+
+
+def nan_loss_run(term, steps: int = 4, bad_at: int | None = 2):
+    """A cross-entropy loop whose loss adds ``term(logits)`` at step ``bad_at``; the
+    gradients stay finite where the term's gradient does."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    with hs.Monitor(model, every=10) as mon:
+        for step in range(steps):
+            x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 4, (8,))
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            if step == bad_at:
+                loss = loss + term(logits)
+            opt.zero_grad()
+            loss.backward()
+            grads_finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+            opt.step()
+            mon.step()
+            losses.append((loss.item(), grads_finite))
+    return mon, losses
+
+
+def nonfinite(mon):
+    return [f for f in mon.findings if f.kind == "nonfinite"]
+
+
+def test_a_nan_loss_made_by_a_log_after_the_model_names_the_op() -> None:
+    mon, losses = nan_loss_run(lambda logits: 1e-3 * logits.log().mean())  # <- loss log
+    assert losses[2][0] != losses[2][0] and losses[2][1]  # plain torch: NaN loss, finite grads
+    (finding,) = nonfinite(mon)
+    assert (finding.module, finding.step, finding.op) == ("", 2, "aten.log")
+    assert "aten.log made NaN there, from finite values" in finding.message
+    assert "no source line" in finding.message
+
+
+def test_a_mean_over_an_empty_selection_is_named_whatever_the_values() -> None:
+    mon, _ = nan_loss_run(lambda logits: logits[logits > 1e6].mean())
+    (finding,) = nonfinite(mon)
+    assert (finding.step, finding.op) == (2, "aten.mean")
+    assert "aten.mean of an empty tensor made NaN" in finding.message
+
+
+def test_an_op_that_cannot_be_re_run_is_left_unnamed_with_the_candidates() -> None:
+    """``logits - 0.5``: autograd keeps no scalar of a subtraction, so the log after it
+    cannot be re-run; the finding names no op and lists the log as the candidate."""
+    mon, _ = nan_loss_run(lambda logits: 1e-3 * torch.log(logits - 0.5).mean())
+    (finding,) = nonfinite(mon)
+    assert finding.step == 2 and finding.op is None
+    assert "could not be re-run" in finding.message and "aten.log" in finding.message
+
+
+def test_a_healthy_twin_has_no_finding() -> None:
+    mon, losses = nan_loss_run(lambda logits: 1e-3 * logits.abs().add(1).log().mean())
+    assert all(loss == loss for loss, _ in losses)
+    assert nonfinite(mon) == []
+
+
+def test_a_nan_loss_in_a_lightning_training_step_names_the_op(tmp_path) -> None:
+    L = pytest.importorskip("lightning.pytorch")
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    class AutoEncoder(L.LightningModule):
+        """Lightning's pattern: training_step calls the parts, never forward."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(12, 16), nn.ReLU(inplace=True), nn.Linear(16, 3))
+            self.decoder = nn.Sequential(nn.Linear(3, 16), nn.ReLU(inplace=True), nn.Linear(16, 12))
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            x_hat = self.decoder(self.encoder(x))
+            loss = nn.functional.mse_loss(x_hat, x)
+            if batch_idx == 2:
+                loss = loss + 1e-3 * x_hat.log().mean()  # NaN where x_hat < 0
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 12))
+    cb = HookscopeCallback(every=10, log_dir=None)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=False,
+        callbacks=[cb],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(AutoEncoder(), torch.utils.data.DataLoader(data, batch_size=8))
+    (finding,) = nonfinite(cb.monitor)
+    assert (finding.module, finding.step, finding.op) == ("", 2, "aten.log")

@@ -25,9 +25,11 @@ from torch import nn
 from ..._diagnose import Diagnosis, Finding
 from ..._errors import NonFiniteError
 from ..._hooks import eager_calls
+from ..._tree import tensors
 from .._step._buffer import Host
 from .._step._dist import Collective, RankInfo
 from .._step._state import StepState
+from ._loss import LossOrigin, loss_origin
 from ._poisoned import PoisonedWeights
 from ._trace import Tape, replay, trace
 
@@ -180,8 +182,9 @@ class NonFiniteDecision:
         reaching them and every parameter's gradient): made between the model and the
         loss (a ``training_step`` adding a NaN constant, a reduction over an empty batch),
         where no hook of the model sees it. Once per run (its key is the model's, ``""``),
-        and not after an earlier non-finite finding (weights it made NaN). No op or source
-        line: the code after the model runs outside its hooks and outside a replay."""
+        and not after an earlier non-finite finding (weights it made NaN). Its op from the
+        loss's autograd graph (``_nonfinite/_loss.py``); no source line: that code runs
+        outside the model's hooks and outside a replay."""
         if loss is None or math.isfinite(loss) or state.nonfinite is not None:
             return []
         if state.heard.scaler_skips or state.heard.scaler_cause is not None:
@@ -189,15 +192,57 @@ class NonFiniteDecision:
         if any(f.kind == "nonfinite" for f in findings):
             return []  # weights an earlier step made NaN: that finding says it
 
+        found = self._loss_origin(state)
+        op = None if found is None else found.op
+        if op is not None:
+            source = "from finite values" if not found.how else "whatever its values"
+            made = (
+                f": {op}{found.how} made {found.produced} there, {source} (no source line: "
+                "autograd keeps none without anomaly mode; look for that op between the "
+                "model's output and the loss)"
+            )
+        elif found is not None and found.candidates:
+            made = (
+                ": its op could not be re-run from what autograd keeps; the ops there that "
+                f"can make a NaN/Inf: {', '.join(found.candidates)}"
+            )
+        else:
+            made = (
+                " (a NaN/Inf constant or term with no gradient, a mean over an empty "
+                "selection, a log of zero)"
+            )
         message = (
             f"the loss is {loss} at step {step} while the model's outputs and every gradient "
             "stayed finite: it was made after the model, in the code that computes the loss "
-            "from the model's outputs (a NaN/Inf constant or term with no gradient, a mean "
-            "over an empty selection, a log of zero). Training goes on with finite gradients, "
+            f"from the model's outputs{made}. Training goes on with finite gradients, "
             "but the logged loss and anything that reads it (schedulers, early stopping) are "
             "wrong. Check that code with torch.isfinite on each term"
         )
-        return [Finding("nonfinite", "", step, loss, message, phase="forward")]
+        return [Finding("nonfinite", "", step, loss, message, phase="forward", op=op)]
+
+    def _loss_origin(self, state: StepState) -> LossOrigin | None:
+        """The op that made the loss non-finite, from the structure of the loss's graph and
+        the model's outputs replayed (on this step only: a forward pass of the model)."""
+        graph = state.heard.graph
+        if not graph or not self._tape.calls or not self.can_trace:
+            return None
+        replayed: list[list[torch.Tensor]] = []
+
+        def outputs(k: int) -> list[torch.Tensor] | None:
+            if not replayed:
+                replayed.extend(self._replayed_outputs())
+            return replayed[k] if k < len(replayed) else None
+
+        return loss_origin(graph, outputs)
+
+    def _replayed_outputs(self) -> list[list[torch.Tensor]]:
+        """The outputs of the step's calls into the model, replayed bit for bit."""
+        self._tape.paused = True  # the tape keeps no call of the replay
+        try:
+            with eager_calls(), contextlib.closing(replay(self._model, self._tape.calls)) as runs:
+                return [[t.detach() for t in tensors(output)] for output, _ in runs]
+        finally:
+            self._tape.paused = False
 
     def with_overflow(self, nonfinite: Finding) -> list[Finding]:
         """``nonfinite``, after the exploding gradient it is the consequence of, if any."""

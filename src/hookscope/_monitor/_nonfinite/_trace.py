@@ -38,7 +38,11 @@ from ..._hooks import (
 )
 from ..._tree import map_tensors, tensors
 
-__all__ = ["Call", "Origin", "Tape", "replay", "top_modules", "trace"]
+__all__ = ["OUTPUT_TAG", "Call", "Origin", "Tape", "replay", "top_modules", "trace"]
+
+# The key of the mark on the autograd node of each output copy the tape hands the caller:
+# (the call's index in the tape, the output's position)
+OUTPUT_TAG = "hookscope_output"
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # Ops whose output is uninitialised memory: garbage there is no NaN made by the model.
@@ -199,7 +203,7 @@ class Tape:
         # flowing in from outside the call (not, say, from a loss the model computes itself).
         # A copy (the hook layer's one aliasing rule), not a view: a hook on a view is dropped
         # when the caller changes it in place (``logits.div_(T)``), and the step's loss with it.
-        count = [0]
+        count, index = [0], len(self.calls) - 1
 
         def alias(t: torch.Tensor) -> torch.Tensor:
             i = count[0]
@@ -208,6 +212,8 @@ class Tape:
                 return t
             out = same_layout_copy(t)
             self._hooks.tensor(out, lambda g, i=i: self._grad(call, i, g))
+            # where the training code's graph enters the model (``_nonfinite/_loss.py``)
+            out.grad_fn.metadata[OUTPUT_TAG] = (index, i)
             return out
 
         # The model's own outputs are kept, not the copies: the caller may change its copy in

@@ -51,9 +51,12 @@ class Listener(Protocol):
     only where present): a Monitor whose loop calls ``step()`` itself needs no word of it;
     ``hookscope watch``, which ends steps from optimizer hooks, does.
 
-    It may have ``loss_scaled(token, scale)`` too, called after ``after_backward`` when the
-    backward pass started from a loss ``GradScaler.scale`` multiplied: ``scale`` is that
-    factor, a one-element tensor on the scaler's device (no host sync here).
+    It may have ``loss_graph(token, nodes)``, called after ``after_backward`` with the roots'
+    autograd nodes (kept by a Monitor until its step ends: where a NaN loss was made after
+    the model, their structure names the op). It may have ``loss_scaled(token, scale)``
+    too, called after ``after_backward`` when the backward pass started from a loss
+    ``GradScaler.scale`` multiplied: ``scale`` is that factor, a one-element tensor on the
+    scaler's device (no host sync here).
     """
 
     def before_backward(self) -> Any:
@@ -123,6 +126,9 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             loss_scaled = getattr(listener, "loss_scaled", None)
             if scale is not None and loss_scaled is not None:
                 loss_scaled(token, scale)
+            loss_graph = getattr(listener, "loss_graph", None)
+            if loss_graph is not None:
+                loss_graph(token, graph_of(tensors))
         return result
 
     return backward
@@ -181,6 +187,14 @@ def _wrap_scaler_step(original: Callable[..., Any]) -> Callable[..., Any]:
         return result
 
     return step
+
+
+def graph_of(tensors: Any) -> list[Any]:
+    """The autograd nodes of a backward pass's roots, before any GradScaler: the structure
+    of the code that made the loss (its saved tensors are freed by then)."""
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    nodes = [getattr(t, _UNSCALED, t).grad_fn for t in roots if isinstance(t, torch.Tensor)]
+    return [n for n in nodes if n is not None]
 
 
 def loss_of(tensors: Any) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ an accumulated step), the scale a GradScaler multiplied it by, the total norms
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.linalg import vector_norm
@@ -34,6 +34,7 @@ class Heard:
         self.scaler_skips: list[torch.optim.Optimizer] = []  # steps GradScaler skipped
         self.scaler_cause: Finding | None = None  # the overflow it skipped for, if located
         self._grad_norm: tuple[int, torch.Tensor] | None = None  # (clips, their norm)
+        self.graph: list[Any] = []  # the autograd nodes of the losses backpropagated
 
     def scalars(self) -> dict[str, torch.Tensor]:
         """``loss``, ``grad_scale`` and, when the step clipped, ``grad_norm`` (the norm of
@@ -122,6 +123,13 @@ class Ears:
         heard.loss = (
             loss if fresh or heard.loss is None else heard.loss + loss.to(heard.loss.device)
         )
+
+    def loss_graph(self, token: tuple[int, bool], nodes: list[Any]) -> None:
+        """The autograd nodes of the losses a backward pass that reached the model started
+        from, kept (by reference: their saved tensors are freed) until the step ends."""
+        h = self._hooks
+        if h.grad_calls != token[0] and not h.tape.paused:
+            h.now.heard.graph += nodes
 
     def loss_scaled(self, token: tuple[int, bool], scale: torch.Tensor) -> None:
         """The loss was multiplied by a GradScaler's ``scale``: logged as ``grad_scale``
