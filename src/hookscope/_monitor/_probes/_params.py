@@ -187,27 +187,27 @@ class BatchNorms:
         if not names:
             return
         now = means + variances
-        # mean() on the CPU is sum() / numel: the same figure, then one division for all
-        sums = torch.stack([t.sum() for t in now])
-        avg = sums / torch.tensor([float(t.numel()) for t in now], device=sums.device)
-        drift = avg.new_full((len(now),), math.nan)
-        prev = [self._prev.get(name) for name in names]
-        seen = [i for i, p in enumerate(prev) if p is not None]
-        if seen:
-            count = len(names)
-            olds = [prev[i][0] for i in seen] + [prev[i][1] for i in seen]  # type: ignore[index]
-            news = [means[i] for i in seen] + [variances[i] for i in seen]
-            with torch.no_grad():
-                moved = norms(torch._foreach_sub(news, olds))
-                size = norms(olds)
-            at = torch.tensor(seen + [count + i for i in seen], device=drift.device)
-            # ||now - before|| / (||before|| + 1e-12), as one BatchNorm's were
-            drift = drift.index_copy(0, at, torch.stack(moved) / (torch.stack(size) + 1e-12))
+        with torch.no_grad():
+            # mean() on the CPU is sum() / numel: the same figures, divided in one fused op
+            avg = torch._foreach_div([t.sum() for t in now], [float(t.numel()) for t in now])
+            drift = [avg[0].new_full((), math.nan)] * len(now)
+            prev = [self._prev.get(name) for name in names]
+            seen = [i for i, p in enumerate(prev) if p is not None]
+            if seen:
+                count = len(names)
+                at = seen + [count + i for i in seen]
+                olds = [prev[i][0] for i in seen] + [prev[i][1] for i in seen]  # type: ignore[index]
+                moved = norms(torch._foreach_sub([now[i] for i in at], olds))
+                # ||now - before|| / (||before|| + 1e-12), as one BatchNorm's were
+                ratios = torch._foreach_div(moved, torch._foreach_add(norms(olds), 1e-12))
+                for i, ratio in zip(at, ratios, strict=True):
+                    drift[i] = ratio
         copies = torch._foreach_mul(now, 1.0)  # a copy of each (-0.0 and NaN kept)
         count = len(names)
         for i, name in enumerate(names):
             self._prev[name] = (copies[i], copies[count + i])
-        rows = torch.stack([avg[:count], avg[count:], drift[:count], drift[count:]], 1)
+        avg_, drift_ = torch.stack(avg), torch.stack(drift)
+        rows = torch.stack([avg_[:count], avg_[count:], drift_[:count], drift_[count:]], 1)
         buf.set_many([("bn", name) for name in names], list(rows.unbind(0)))
 
     def layout(self, rank: int) -> list[Entry]:
