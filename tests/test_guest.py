@@ -11,6 +11,7 @@ import io
 import itertools
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torch.amp import grad_scaler
 
 import hookscope as hs
 from hookscope.testing import assert_no_hooks, assert_torch_untouched
+from models import ResNet, gpt2, images, token_ids
 
 # What torch had before any test of this file ran: compared with `is` after each scenario.
 ORIGINALS = {
@@ -306,6 +308,118 @@ def test_a_capture_sees_the_edited_value_whatever_the_order_of_the_with_items(
     seen = getattr(cap["1"], point)
     seen = seen[0] if isinstance(seen, tuple) else seen
     assert torch.count_nonzero(seen) == 0
+
+
+@pytest.mark.parametrize("at", ["output", "input", "grad_output", "grad_input"])
+@pytest.mark.parametrize("capture_first", [True, False])
+def test_a_capture_sees_the_edit_whatever_order_the_hooks_went_on_in(
+    at: str, capture_first: bool
+) -> None:
+    """As above, with the hooks attached in both orders: each verb attaches when it is made,
+    so the items are made inside the ``with`` statement, as a script writes them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    edit = (lambda v, site: tuple(t * 0 for t in v)) if at == "input" else (lambda v, s: v * 0)
+    if capture_first:
+        with hs.capture(model, "1", what=at) as cap, hs.intervene(model, "1", edit, at=at):
+            model(x).sum().backward()
+    else:
+        with hs.intervene(model, "1", edit, at=at), hs.capture(model, "1", what=at) as cap:
+            model(x).sum().backward()
+    seen = getattr(cap["1"], at)
+    seen = seen[0] if isinstance(seen, tuple) else seen
+    assert torch.count_nonzero(seen) == 0
+    assert_no_hooks(model)
+
+
+def grad_input_case(kind: str) -> tuple[nn.Module, str, Callable[[nn.Module], torch.Tensor]]:
+    """A model, the module whose gradient input is edited and captured, and its loss. CNN:
+    the second block's first conv, whose input is also the block's identity, added in
+    place, and came out of an in-place ReLU. GPT-2: a whole block on the residual stream."""
+    torch.manual_seed(0)
+    if kind == "cnn":
+        x = images()
+        return ResNet().train(), "layer1.1.conv1", lambda m: m(x).square().mean()
+    ids = token_ids()
+    return gpt2(), "transformer.h.1", lambda m: m(ids, labels=ids).loss
+
+
+def edited_grad_oracle(
+    model: nn.Module, name: str, loss: Callable[[nn.Module], torch.Tensor], scale: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Plain torch: the gradient that reaches ``name``'s input through ``name`` only,
+    multiplied by ``scale``, and the parameters' gradients under that edit."""
+    twin = copy.deepcopy(model)
+    seen: list[torch.Tensor] = []
+
+    def edit(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(grad * scale)
+        return seen[-1]
+
+    def through_this_module_only(module: nn.Module, args: tuple) -> tuple:
+        x = args[0].clone()  # a tensor of its own: only this module's gradient reaches it
+        x.register_hook(edit)
+        return (x, *args[1:])
+
+    twin.get_submodule(name).register_forward_pre_hook(through_this_module_only)
+    loss(twin).backward()
+    (grad,) = seen
+    return grad, {n: p.grad for n, p in twin.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", ["cnn", "gpt2"])
+@pytest.mark.parametrize("capture_first", [True, False])
+def test_a_grad_input_edit_is_what_a_capture_sees_whatever_the_order_of_the_with_items(
+    kind: str, capture_first: bool
+) -> None:
+    model, name, loss = grad_input_case(kind)
+    scale = 3.0
+    grad, grads = edited_grad_oracle(model, name, loss, scale)
+
+    def capture() -> hs.Capture:
+        return hs.capture(model, name, what="grad_input")
+
+    def edit() -> hs.Intervention:
+        return hs.intervene(model, name, lambda g, site: g * scale, at="grad_input")
+
+    if capture_first:
+        with capture() as cap, edit():  # the hooks go on as each item is entered
+            loss(model).backward()
+    else:
+        with edit(), capture() as cap:
+            loss(model).backward()
+    torch.testing.assert_close(cap[name].grad_input[0], grad)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == grads.keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(got[n], g, msg=lambda m, n=n: f"{n}: {m}")
+    assert_no_hooks(model)
+    assert_torch_is_torchs()
+
+
+def test_a_capture_between_two_grad_input_edits_sees_both() -> None:
+    model, name, loss = grad_input_case("cnn")
+    grad, _ = edited_grad_oracle(model, name, loss, 6.0)
+    double = hs.intervene(model, name, lambda g, site: g * 2, at="grad_input")
+    cap = hs.capture(model, name, what="grad_input")
+    triple = hs.intervene(model, name, lambda g, site: g * 3, at="grad_input")
+    with double, cap, triple:
+        loss(model).backward()
+    torch.testing.assert_close(cap[name].grad_input[0], grad)
+    assert_no_hooks(model)
+
+
+def test_a_block_and_its_first_conv_each_capture_the_gradient_through_themselves() -> None:
+    model, conv, loss = grad_input_case("cnn")  # the conv's input: copied for the block's call
+    block = conv.removesuffix(".conv1")
+    want = {name: edited_grad_oracle(model, name, loss, 1.0)[0] for name in (block, conv)}
+    with hs.capture(model, [block, conv], what="grad_input") as cap:
+        loss(model).backward()
+    assert not torch.allclose(want[block], want[conv])  # the identity's gradient: the block's
+    for name, grad in want.items():
+        torch.testing.assert_close(cap[name].grad_input[0], grad)
+    assert_no_hooks(model)
 
 
 # -- saving and copying --------------------------------------------------------------------------

@@ -65,8 +65,8 @@ def test_a_copied_input_carries_the_gradient_through_an_in_place_relu() -> None:
     grads: list[torch.Tensor] = []
 
     def pre(module: nn.Module, args: tuple) -> tuple:
-        args, indices = alias_grad_inputs(args)
-        assert indices == [0]
+        args, hooked = alias_grad_inputs(args, module)
+        assert list(hooked) == [0] and hooked[0] is args[0]
         args[0].register_hook(grads.append)
         return args
 
@@ -80,7 +80,7 @@ def test_a_copied_input_carries_the_gradient_through_an_in_place_relu() -> None:
     torch.testing.assert_close(grads[0], want, rtol=1e-5, atol=1e-7)
     with torch.no_grad():
         args = (x,)
-        assert alias_grad_inputs(args) == (args, [])  # nothing to copy without autograd
+        assert alias_grad_inputs(args, model.relu) == (args, {})  # nothing to copy
 
 
 def test_an_always_call_hook_knows_the_forward_raised() -> None:

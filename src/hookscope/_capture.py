@@ -158,7 +158,7 @@ class Capture:
             record = self._no_grad.pop(key, None) if key else None
             self._in_model.discard(key)
             self._open[name].append(record)
-            return self._hook_grad_inputs(record, args, kwargs) if record else None
+            return self._hook_grad_inputs(record, module, args, kwargs) if record else None
         record = Record(name, self._clock.next(name, args), self._clock.pass_)
         self._open[name].append(record)
         if "input" in self.what:
@@ -170,17 +170,20 @@ class Capture:
             if self._clock.root_grad:
                 self._in_model.add(key)
             return None
-        return self._hook_grad_inputs(record, args, kwargs)
+        return self._hook_grad_inputs(record, module, args, kwargs)
 
-    def _hook_grad_inputs(self, record: Record, args: tuple, kwargs: dict) -> Any:
+    def _hook_grad_inputs(
+        self, record: Record, module: nn.Module, args: tuple, kwargs: dict
+    ) -> Any:
         if "grad_input" not in self.what:
             return None
         break_graph_for(f"capture of the gradients of {record.name!r}", "capture")
         record._grad_in = [None] * len(args)
-        args, indices = alias_grad_inputs(args)
-        for i in indices:
-            self._hooks.tensor(args[i], functools.partial(self._store_grad, record, "_grad_in", i))
-        return (args, kwargs) if indices else None
+        # a reader: after an edit's copy, its hooks (the gradient as every edit left it)
+        new, hooked = alias_grad_inputs(args, module, read=True)
+        for i, t in hooked.items():
+            self._hooks.tensor(t, functools.partial(self._store_grad, record, "_grad_in", i))
+        return None if new is args else (new, kwargs)
 
     def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         record = self._open[name].pop() if self._uses_pre and self._open[name] else None

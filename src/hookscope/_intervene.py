@@ -117,8 +117,10 @@ class Intervention:
     def _attach(self, name: str, module: nn.Module, fns: list[EditFn]) -> None:
         """Edits go before the hooks already there (``prepend``): every reader (capture,
         a Monitor, a Tap's watchers) sees the edited value, whatever the order in which
-        they were attached. (A ``grad_input`` edit is the exception: its copy of the input
-        must be the innermost one, so it goes last.)"""
+        they were attached. A ``grad_input`` edit goes after them instead: the copy of the
+        input it hooks must be made after the input edits; a reader attached later hooks the
+        call's first copy, which the gradient reaches after every edit
+        (``_hooks/_points.py:alias_grad_inputs``)."""
         hooks = self._hooks
         if self.at == "output":
             hooks.forward(module, functools.partial(self._edit_output, name, fns), prepend=True)
@@ -185,11 +187,11 @@ class Intervention:
             return None
         break_graph_for(f"intervene at {self.at!r} of {name!r}", "intervene")
         call = self._site(name, module, args).call
-        args, indices = alias_grad_inputs(args)
-        for i in indices:
+        new, hooked = alias_grad_inputs(args, module)  # a copy of its own, innermost
+        for i, t in hooked.items():
             site = Site(name, module, call, self.at, i)
-            self._hooks.tensor(args[i], functools.partial(_edit_grad, fns, site))
-        return (args, kwargs) if indices else None
+            self._hooks.tensor(t, functools.partial(_edit_grad, fns, site))
+        return None if new is args else (new, kwargs)
 
     def _grad_enabled(self, name: str) -> bool:
         """Is there a gradient to edit? Notes the calls that have none, for the warning."""

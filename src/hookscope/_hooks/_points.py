@@ -218,22 +218,47 @@ def _storage_key(args: tuple[Any, ...]) -> tuple | None:
     return None
 
 
-def alias_grad_inputs(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[int]]:
-    """Replace each positional tensor that needs a gradient by a copy of itself.
+def alias_grad_inputs(
+    args: tuple[Any, ...], module: nn.Module, *, read: bool = False
+) -> tuple[tuple[Any, ...], dict[int, torch.Tensor]]:
+    """Give each positional tensor of ``module``'s call that needs a gradient a copy of its
+    own, and say which tensor to hook, by position.
 
     A hook on the copy sees exactly the gradient that flows back *through this module*, not
     the sum over every other use of the same tensor (a residual stream feeds many). A copy,
     not a view: a hook on a view is dropped when the module changes it in place
     (``nn.ReLU(inplace=True)``, ``x += y``). Values and gradients are unchanged.
+
+    The order rule, edits before readers whatever the order the verbs were attached in: an
+    edit (``read=False``) always makes a new copy, which the module receives, so the gradient
+    meets the edits from the last attached to the first; a reader (``read=True``) of a tensor
+    already copied for this call makes none and hooks the call's outermost copy, after the
+    hooks already on it, where every edit of the call has run.
     """
     if not torch.is_grad_enabled():
-        return args, []
-    new, indices = list(args), []
+        return args, {}
+    new, hooked, copied = list(args), {}, False
     for i, arg in enumerate(args):
-        if isinstance(arg, torch.Tensor) and arg.requires_grad:
-            new[i] = same_layout_copy(arg)
-            indices.append(i)
-    return (tuple(new), indices) if indices else (args, [])
+        if not (isinstance(arg, torch.Tensor) and arg.requires_grad):
+            continue
+        made = _copies.get(id(arg))
+        outer = None
+        if made is not None and made[0]() is arg and made[1] is module:
+            outer = arg if made[2] is None else made[2]  # a copy made for this very call
+        if read and outer is not None:
+            hooked[i] = outer
+            continue
+        new[i] = hooked[i] = copy = same_layout_copy(arg)
+        copied = True
+        if not is_compiling():
+            key = id(copy)
+            _copies[key] = (weakref.ref(copy, lambda _, k=key: _copies.pop(k, None)), module, outer)
+    return (tuple(new) if copied else args), hooked
+
+
+# The copies alias_grad_inputs made, by id, while they live: (the copy, weakly; the module of
+# the call; the call's first copy, None where it is this one). Nothing is put on the tensors.
+_copies: dict[int, tuple[weakref.ref[torch.Tensor], nn.Module, torch.Tensor | None]] = {}
 
 
 def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
