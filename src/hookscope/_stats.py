@@ -89,13 +89,6 @@ class Sampler:
             return t.reshape(-1)
         return torch.take(t, self._index_of(t))
 
-    def count(self, t: torch.Tensor) -> int:
-        """How many elements ``self(t)`` holds."""
-        n = t.numel()
-        if self.k is None or n <= self.k:
-            return n
-        return self._index_of(t).numel()
-
     def _index_of(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel()
         key = (n, tuple(t.shape[-2:]), t.device)
@@ -104,13 +97,21 @@ class Sampler:
             index = self._index[key] = strided_index(n, self.k or n, t.shape, t.device)
         return index
 
-    def into(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``self(t)`` written into ``out`` (1-D, :meth:`count` long; cast to its dtype):
-        a copy of its own, as :meth:`keep` makes, with no tensor in between."""
-        if self.k is None or t.numel() <= self.k:
-            return out.copy_(t.reshape(-1))
+    def keep_at(
+        self, t: torch.Tensor, flat: torch.Tensor, start: int, room: int
+    ) -> torch.Tensor | None:
+        """``self(t)`` written into ``flat`` (1-D, contiguous) from ``start``, cast to its
+        dtype, when it holds at most ``room`` elements: a copy of its own, as :meth:`keep`
+        makes, with no tensor in between. The part of ``flat`` it wrote (None: too many)."""
+        n = t.numel()
+        if self.k is None or n <= self.k:
+            return flat[start : start + n].copy_(t.reshape(-1)) if n <= room else None
         index = self._index_of(t)
-        if t.dtype == out.dtype and t.device == out.device:
+        count = index.numel()
+        if count > room:
+            return None
+        out = flat[start : start + count]
+        if t.dtype == flat.dtype and t.device == flat.device:
             return torch.take(t, index, out=out)
         return out.copy_(torch.take(t, index))
 

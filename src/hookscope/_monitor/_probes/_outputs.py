@@ -70,23 +70,26 @@ class _Block:
 
     def __init__(self) -> None:
         self._size: dict[tuple, tuple[int, int]] = {}  # (device, dtype): (rows, width)
-        self._open: dict[tuple, list] = {}  # (device, dtype): [block, rows used]
+        self._open: dict[tuple, list] = {}  # (device, dtype): [flat block, used, rows, width]
 
     def write(self, sampler: Sampler, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``sampler.keep(t)``, in a row of the block where it fits: the sample and its row
         (-1: not in the block)."""
         dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
         key = (t.device, dtype)
-        size = self._size.get(key)
-        if size is not None:
-            count = sampler.count(t)
-            place = self._open.get(key)
-            if place is None:
-                place = self._open[key] = [t.new_zeros(size, dtype=dtype), 0]
-            block, row = place
-            if row < size[0] and count <= size[1]:
+        place = self._open.get(key)
+        if place is None:
+            size = self._size.get(key)
+            if size is None:
+                return sampler.keep(t), -1
+            block = t.new_zeros(size, dtype=dtype)
+            place = self._open[key] = [block.view(-1), 0, size[0], size[1]]
+        flat, row, rows, width = place
+        if row < rows:
+            x = sampler.keep_at(t, flat, row * width, width)
+            if x is not None:
                 place[1] = row + 1
-                return sampler.into(t, block[row, :count]), row
+                return x, row
         return sampler.keep(t), -1
 
     def rows(
@@ -100,7 +103,7 @@ class _Block:
         self._size[key] = (len(xs), max(lengths))  # the next step's block
         place = self._open.get(key)
         if place is not None and place[1] == len(xs) and placed == list(range(len(xs))):
-            return table.placed(place[0], lengths)
+            return table.placed(place[0].view(place[2], place[3]), lengths)
         return table.pad(xs)
 
     def close(self) -> None:
