@@ -20,6 +20,7 @@ from ..._record import version
 from ..._stats import finite_flag, norms
 from .._step._buffer import Host, StepBuffer
 from .._step._dist import local
+from .._step._norms import Norms
 
 __all__ = ["PASS_THROUGH", "Flag", "NonFiniteTrail"]
 
@@ -155,8 +156,8 @@ class NonFiniteTrail:
         """Flag the gradients an optimizer is about to apply, by their L2 norms (one fused
         kernel; torch's L2 norm reads 3x faster than its L1 on a CPU): a NaN/Inf can arise in
         a weight's gradient alone (an overflowing recurrent matmul). Returns the names of
-        those that have a gradient and their norms. The norms go into the buffer as one
-        stacked tensor (``StepBuffer.set_block``) where they are on one device."""
+        those that have a gradient and their norms (one vector where they are on one device
+        and of one dtype, in the buffer as one block: ``StepBuffer.set_block``; else a list)."""
         grads = [params[n].grad for n in names]
         if any(g is None for g in grads):
             names = [n for n, g in zip(names, grads, strict=True) if g is not None]
@@ -164,15 +165,19 @@ class NonFiniteTrail:
         self._params = params
         if not all(type(g) is torch.Tensor for g in grads):
             grads = [local(g) for g in grads]
-        values = norms(grads, 2)
         flags = _param_flags(tuple(names))
         start = len(self.flags)
         self.flags.extend(flags)
         try:
-            buf.set_block("flag", start, torch.stack(values))
+            stacked = _GRAD_NORMS(grads)
+        except RuntimeError:  # on several devices
+            stacked = None
+        if stacked is not None:
+            buf.set_block("flag", start, stacked)
             self.blocks.append((start, len(flags)))
-        except RuntimeError:  # on several devices (or none)
-            buf.set_many([("flag", i) for i in range(start, start + len(flags))], values)
+            return names, stacked
+        values = norms(grads, 2)
+        buf.set_many([("flag", i) for i in range(start, start + len(flags))], values)
         return names, values
 
     def _overflowed(self, flag: Flag, value: float) -> bool:
@@ -302,6 +307,10 @@ class NonFiniteTrail:
             "forward",
             f"forward: the inputs of {_who(name)} were NaN/Inf at step {step} (check the data)",
         )
+
+
+# The gradients' L2 norms in few ops (``_step/_norms.py``); its plans are per list of shapes
+_GRAD_NORMS = Norms(2)
 
 
 @functools.lru_cache(maxsize=64)

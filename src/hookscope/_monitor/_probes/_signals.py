@@ -39,6 +39,7 @@ from ..._diagnose import Finding, Thresholds
 from ..._log import Window
 from .._step._buffer import Host, StepBuffer
 from .._step._dist import local
+from .._step._norms import Norms
 
 __all__ = ["Rolling", "SkipList", "Spike", "SpikeWatch", "WeightNorms", "group_of"]
 
@@ -137,6 +138,7 @@ class WeightNorms:
         self._params = [[p for p, _ in tensors] for _, tensors in self._kinds]
         # no DTensor among them: each is its own shard (no ``local`` per parameter and step)
         self._plain = [all(local(p) is p for p in params) for params in self._params]
+        self._norms = [Norms(1) for _ in self._kinds]  # of one device and dtype each
         # per kind, the sample views of the last step and the data pointers they view: made
         # again only when a weight's memory moved (``model.to()``, ``p.data = ...``, a
         # reshard), not per step (two ops per parameter and step otherwise)
@@ -162,9 +164,12 @@ class WeightNorms:
                     contiguous = all(t.is_contiguous() for t in shards)
                     self._views[k] = cached if contiguous else None
                 views = cached[1]
-                half = views[0].dtype in (torch.float16, torch.bfloat16)
-                values = torch._foreach_norm(views, 1, dtype=torch.float32 if half else None)
-                buf.set(("weights", k), torch.stack(values).float())
+                values = self._norms[k](views)  # None: a sample view to stack is strided
+                if values is None:
+                    half = views[0].dtype in (torch.float16, torch.bfloat16)
+                    accumulate = torch.float32 if half else None
+                    values = torch.stack(torch._foreach_norm(views, 1, dtype=accumulate)).float()
+                buf.set(("weights", k), values)
 
     def read(self, host: Host) -> dict[str, float]:
         self._measured = False

@@ -78,6 +78,8 @@ class Updates:
         first = len(s.trail.flags)
         read, values = s.trail.parameters(s.buf, probes.params.params, names)
         if s.sampled:  # the flags' L2 norms are the gradient norms: no second pass
+            if isinstance(values, torch.Tensor):
+                values = values.unbind(0)
             found = dict(zip(read, values, strict=True))
             probes.params.read_grads(s.buf, names, stepped=optimizer is not None, known=found)
         probes.spikes.flags(first, read)  # their L2 norms feed the rolling window too
