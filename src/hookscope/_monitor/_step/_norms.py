@@ -31,9 +31,10 @@ class Norms:
         """The norms, or ``None`` where the tensors are not all of one dtype, there are
         none, or one to be stacked is not contiguous (the caller's general path:
         ``_stats.norms``). Raises ``RuntimeError`` where they are on several devices."""
-        dtype = tensors[0].dtype if tensors else None
-        if dtype is None or any(t.dtype is not dtype for t in tensors):
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1:
             return None
+        (dtype,) = dtypes
         shapes = tuple(t.shape for t in tensors)
         plan = self._plans.get(shapes)
         if plan is None:
