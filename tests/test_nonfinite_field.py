@@ -252,3 +252,94 @@ def test_a_nan_loss_in_a_lightning_training_step_names_the_op(tmp_path) -> None:
     trainer.fit(AutoEncoder(), torch.utils.data.DataLoader(data, batch_size=8))
     (finding,) = nonfinite(cb.monitor)
     assert (finding.module, finding.step, finding.op) == ("", 2, "aten.log")
+
+
+# -- a module with its own state, under the default check ------------------------------------
+
+
+class NaNOnCall(nn.Module):
+    """Counts its training calls and makes a NaN on call ``bad`` (e.g. a schedule kept in
+    the module)."""
+
+    def __init__(self, bad: int) -> None:
+        super().__init__()
+        self.calls, self.bad = 0, bad
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.bad:
+                return x * float("nan")  # <- the stateful op
+        return x
+
+
+def stateful_cnn(bad: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        NaNOnCall(bad),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+@pytest.mark.parametrize("every", [10, None])
+def test_a_module_with_its_own_state_is_named_at_its_step_under_the_default_check(
+    every,
+) -> None:
+    model = stateful_cnn(bad=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hs.Monitor(model, every=every, on_nonfinite="skip") as mon:
+        for _ in range(8):
+            loss = nn.functional.cross_entropy(
+                model(torch.randn(4, 3, 8, 8)), torch.randint(0, 4, (4,))
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    (first,) = nonfinite(mon)
+    assert (first.module, first.step, first.phase, first.op) == ("3", 5, "forward", "aten.mul")
+    assert first.source.endswith(line_of("# <- the stateful op"))
+    assert model[3].calls == 8  # the replays left the module's count as training made it
+
+
+def test_a_state_changed_in_place_is_still_said_not_reproduced_with_the_fix() -> None:
+    """A module that appends to a list it keeps (changed in place, not rebound) is not
+    rewound: the finding says the replay did not reproduce it, names that module as the
+    likely origin and check="modules", which names it for sure."""
+
+    class History(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[int] = []
+
+        def forward(self, x):
+            self.seen.append(len(self.seen))
+            return x * float("nan") if len(self.seen) == 4 else x
+
+    def run(check):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), History(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with hs.Monitor(model, every=10, check=check, on_nonfinite="skip") as mon:
+            for _ in range(6):
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step()
+        return nonfinite(mon)[0], model
+
+    edges, model = run("edges")
+    assert edges.step == 3 and edges.module == ""
+    assert "did not reproduce" in edges.message and 'check="modules"' in edges.message
+    assert "module '2' changed its own 'seen' in place" in edges.message
+    assert "most likely starts in '2'" in edges.message
+    assert len(model[2].seen) == 6  # the replays appended nothing: it was put back
+    modules, _ = run("modules")
+    assert (modules.step, modules.module) == (3, "2")

@@ -40,11 +40,32 @@ NOT_REPLAYED = (
     "model's state changed between the step's forward pass and the check before the update "
     "(e.g. weights perturbed in place and restored before optimizer.step(), as "
     "sharpness-aware minimisation does, or an attribute the forward pass reads, or a "
-    "module with its own state, such as a count of its calls, or a nondeterministic "
-    "kernel). Every watched module's output is checked from the next step on, to name the "
+    "module with its own state changed in place, such as a list it appends to, or a "
+    "nondeterministic kernel)"
+)
+CHECK_MODULES = (
+    ". Every watched module's output is checked from the next step on, to name the "
     'module where it starts; Monitor(check="modules") (hookscope watch --check modules) '
     "checks every module on every step and names it without a replay"
 )
+
+
+def not_replayed(changed: list[tuple[str, list[str]]]) -> str:
+    """Why a replay did not reproduce a NaN, and the fix. ``changed``: the modules whose own
+    attributes the replay changed (a state it could not rewind: the likely origin)."""
+    if not changed:
+        return NOT_REPLAYED + CHECK_MODULES
+    said = "; ".join(
+        f"module {name!r} changed its own {', '.join(repr(k) for k in keys)}"
+        for name, keys in changed
+    )
+    where = " or ".join(repr(name) for name, _ in changed)
+    return (
+        f". A replay of the step did not reproduce it, so no op is named: {said} in place "
+        "when it ran, which a replay cannot rewind (a count it rebinds, it can), so the "
+        f"replay did not run as the step did; the NaN/Inf most likely starts in {where}"
+        + CHECK_MODULES
+    )
 
 
 class NonFiniteDecision:
@@ -255,9 +276,12 @@ class NonFiniteDecision:
         if not self._tape.calls or not self._diagnosis.is_new(finding) or not self.can_trace:
             return finding
         self._tape.paused = True
+        changed: list[tuple[str, list[str]]] = []  # modules whose own state the replay moved
         try:
             with eager_calls():  # a compiled model is replayed op by op
-                origin = trace(self._model, self._tape.calls, suspect=finding.module)
+                origin = trace(
+                    self._model, self._tape.calls, suspect=finding.module, changed=changed
+                )
         finally:
             self._tape.paused = False
         # A replay whose forward pass stays finite where the step's did not has not seen
@@ -272,7 +296,7 @@ class NonFiniteDecision:
                 return flagged
             self.light = state.light = False  # no replay finds it: flag every module now on
             if unseen or flagged is not None:
-                return dataclasses.replace(finding, message=finding.message + NOT_REPLAYED)
+                return dataclasses.replace(finding, message=finding.message + not_replayed(changed))
         return finding
 
     def _flagged_replay(self, step: int) -> Finding | None:

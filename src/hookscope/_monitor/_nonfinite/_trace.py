@@ -37,6 +37,7 @@ from ..._hooks import (
     same_layout_copy,
 )
 from ..._tree import map_tensors, tensors
+from ._pystate import MISSING, PythonState, own_state, restore_state
 
 __all__ = ["OUTPUT_TAG", "Call", "Origin", "Tape", "replay", "top_modules", "trace"]
 
@@ -75,6 +76,9 @@ class Call:
     versions: list[int | None] | None = None
     done: bool = False
     module: nn.Module | None = None
+    # The step's first call only: the Python attributes of the modules with their own state
+    # (a count of their calls), as they were before it, so that a replay starts from them
+    state: list[tuple[nn.Module, dict[str, Any]]] | None = None
 
 
 class Tape:
@@ -123,6 +127,12 @@ class Tape:
         self._hooks = hooks
         self._eager = eager_only(self._before), eager_only(self._after)
         self._wrappers_taped = False
+        # Modules with their own state: each module's Python attributes are read before the
+        # first two steps' first calls; those that changed between them are read again before
+        # every step's first call (none, for most models: nothing per step)
+        self._modules = list(root.modules())
+        self._seen: list[tuple[nn.Module, dict[str, Any]]] | None = None
+        self._stateful: list[tuple[nn.Module, tuple[str, ...]]] = []
         self._outer = False  # the outermost call under way was announced to on_outer
         tops = top_modules(root)
         self._tape(*tops[0])
@@ -166,8 +176,28 @@ class Tape:
             self.on_outer(True, kept)
         if not kept:
             return
-        self.calls.append(Call(args, dict(kwargs), rng_state(), module=module if name else None))
+        call = Call(args, dict(kwargs), rng_state(), module=module if name else None)
+        if not self.calls:
+            call.state = self._state_before()
+        self.calls.append(call)
         self.recording = True
+
+    def _state_before(self) -> list[tuple[nn.Module, dict[str, Any]]] | None:
+        """The Python state the step starts from, of the modules known to change theirs."""
+        if self._modules:  # the first two steps: every module's, to find which change
+            now = own_state(self._modules)
+            if self._seen is None:
+                self._seen = now
+                return now
+            for (module, before), (_, after) in zip(self._seen, now, strict=True):
+                changed = tuple(k for k, v in after.items() if before.get(k, MISSING) is not v)
+                if changed:
+                    self._stateful.append((module, changed))
+            self._modules, self._seen = [], None
+            return now
+        if not self._stateful:
+            return None
+        return [(m, {k: vars(m)[k] for k in keys if k in vars(m)}) for m, keys in self._stateful]
 
     def _after(self, name: str, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -309,7 +339,12 @@ def _place(module: str, own: bool) -> str:
 
 
 def trace(
-    model: nn.Module, calls: list[Call], suspect: str | None = None, *, keep_outputs: bool = False
+    model: nn.Module,
+    calls: list[Call],
+    suspect: str | None = None,
+    *,
+    keep_outputs: bool = False,
+    changed: list[tuple[str, list[str]]] | None = None,
 ) -> Any:
     """Replay ``calls`` on ``model`` under the tracer; the origin of the first NaN/Inf.
 
@@ -317,12 +352,13 @@ def trace(
     forward pass the origin of the value that reached that output is reported (a mask
     filled with -inf that a softmax absorbs is not a culprit). Weights, buffers, ``.grad``,
     RNG state are left exactly as they were. With ``keep_outputs``, returns
-    ``(origin, outputs)``, the outputs of the calls replayed.
+    ``(origin, outputs)``, the outputs of the calls replayed. ``changed``: see :func:`replay`.
     """
     names = {id(m): n for n, m in model.named_modules()}
     containers = {n for n, m in model.named_modules() if next(iter(m.children()), None)}
     origin, outputs = None, []
-    with closing(replay(model, calls)) as runs, _Tracer(names, containers, suspect) as tracer:
+    runs_ = replay(model, calls, changed=changed)
+    with closing(runs_) as runs, _Tracer(names, containers, suspect) as tracer:
         for output, backward in runs:
             outputs.append(output)
             origin = tracer.forward_done(output)
@@ -335,12 +371,19 @@ def trace(
     return (origin, outputs) if keep_outputs else origin
 
 
-def replay(model: nn.Module, calls: list[Call]) -> Iterator[tuple[Any, Callable[[], None]]]:
+def replay(
+    model: nn.Module, calls: list[Call], *, changed: list[tuple[str, list[str]]] | None = None
+) -> Iterator[tuple[Any, Callable[[], None]]]:
     """Re-run ``calls`` on ``model``: yields each call's output and a function that runs its
-    backward pass from the gradients recorded at its outputs. Weights, buffers, ``.grad`` and
-    the RNG state are left exactly as they were once the generator is closed (use it in
-    ``contextlib.closing``: a caller may stop early)."""
-    with _preserved(model):
+    backward pass from the gradients recorded at its outputs. Weights, buffers, ``.grad``, the
+    RNG state and the modules' own Python attributes are left exactly as they were once the
+    generator is closed (use it in ``contextlib.closing``: a caller may stop early). The
+    replay starts from the Python state the tape read before the step (modules that count
+    their calls). ``changed`` gets the modules whose own attributes the replay changed (by
+    qualified name, with the attributes' names): state the step cannot be re-run without."""
+    with _preserved(model, changed):
+        if calls and calls[0].state is not None:
+            restore_state(calls[0].state)  # the modules' own state before the step
         for call in calls:
             module = model if call.module is None else call.module
             args, kwargs = map_tensors(_cut, (call.args, call.kwargs))
@@ -369,9 +412,11 @@ def _cut(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def _preserved(model: nn.Module) -> Iterator[None]:
-    """Restore buffers, ``.grad`` and the RNG state after the block."""
+def _preserved(model: nn.Module, changed: list[tuple[str, list[str]]] | None) -> Iterator[None]:
+    """Restore buffers, ``.grad``, the RNG state and the modules' own Python attributes (a
+    count of calls the replay advanced, a list it appended to) after the block."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    attrs = PythonState(model)
     grads = [(p, p.grad) for p in model.parameters()]
     rng = rng_state()
     for p, _ in grads:
@@ -385,6 +430,9 @@ def _preserved(model: nn.Module) -> Iterator[None]:
         for p, grad in grads:
             p.grad = grad
         set_rng_state(rng)
+        moved = attrs.restore()
+        if changed is not None:
+            changed.extend(moved)
 
 
 class _Tracer(TorchDispatchMode):
