@@ -23,7 +23,7 @@ from torch.amp import grad_scaler
 
 import hookscope as hs
 from hookscope.testing import assert_no_hooks, assert_torch_untouched
-from models import ResNet, gpt2, images, token_ids
+from models import ResNet, SharedAcrossSegments, gpt2, images, token_ids
 
 # What torch had before any test of this file ran: compared with `is` after each scenario.
 ORIGINALS = {
@@ -419,6 +419,54 @@ def test_a_block_and_its_first_conv_each_capture_the_gradient_through_themselves
     assert not torch.allclose(want[block], want[conv])  # the identity's gradient: the block's
     for name, grad in want.items():
         torch.testing.assert_close(cap[name].grad_input[0], grad)
+    assert_no_hooks(model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("capture_first", [True, False])
+def test_a_grad_input_edit_and_its_capture_agree_through_a_checkpoints_re_run(
+    reentrant: bool, capture_first: bool
+) -> None:
+    """A block reused at two depths, each use a checkpoint segment: the re-run during
+    backward is matched to its first-pass call whichever verb copied the input first."""
+    torch.manual_seed(0)
+    model = SharedAcrossSegments(reentrant)
+    x = torch.randn(3, 4, requires_grad=reentrant)  # a reentrant checkpoint needs one
+    plain = copy.deepcopy(model)
+    plain.reentrant = None  # no checkpoint: the oracle
+    want: list[torch.Tensor] = []
+
+    def oracle_edit(module: nn.Module, args: tuple) -> tuple:
+        x = args[0].clone()
+        x.register_hook(lambda g: (want.append(g * 2), want[-1])[1])
+        return (x,)
+
+    plain.block[0].register_forward_pre_hook(oracle_edit)
+    plain(x).backward()
+    calls: list[int] = []
+
+    def double(g: torch.Tensor, site: hs.Site) -> torch.Tensor:
+        calls.append(site.call)
+        return g * 2
+
+    def capture() -> hs.Capture:
+        return hs.capture(model, "block.0", what="grad_input", keep="all")
+
+    def edit() -> hs.Intervention:
+        return hs.intervene(model, "block.0", double, at="grad_input")
+
+    if capture_first:
+        with capture() as cap, edit():
+            model(x).backward()
+    else:
+        with edit(), capture() as cap:
+            model(x).backward()
+    got = [r.grad_input[0] for r in cap.all("block.0")]
+    assert len(got) == 2 and sorted(calls) == [0, 1]
+    for g, w in zip(got, want[::-1], strict=True):  # the oracle's in backward order
+        torch.testing.assert_close(g, w)
+    for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=n: f"{n}: {m}")
     assert_no_hooks(model)
 
 

@@ -169,10 +169,10 @@ class Intervention:
     def _hook_grad_output(
         self, name: str, fns: list[EditFn], module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> Any:
+        call = self._site(name, module, args).call  # also without autograd: a re-run's match
         if not self._grad_enabled(name):
             return None
         break_graph_for(f"intervene at {self.at!r} of {name!r}", "intervene")
-        call = self._site(name, module, args).call
         new, aliases = alias_grad_outputs(output, args, kwargs)
         for i, t in enumerate(aliases):
             if t is not None:
@@ -183,10 +183,10 @@ class Intervention:
     def _hook_grad_input(
         self, name: str, fns: list[EditFn], module: nn.Module, args: tuple, kwargs: dict
     ) -> Any:
+        call = self._site(name, module, args).call  # also without autograd: a re-run's match
         if not self._grad_enabled(name):
             return None
         break_graph_for(f"intervene at {self.at!r} of {name!r}", "intervene")
-        call = self._site(name, module, args).call
         new, hooked = alias_grad_inputs(args, module)  # a copy of its own, innermost
         for i, t in hooked.items():
             site = Site(name, module, call, self.at, i)

@@ -129,7 +129,7 @@ class CallClock:
         compiling = is_compiling()
         seq = -1 if compiling else torch._C._autograd._get_sequence_nr()
         first = None if compiling else next((a for a in args if isinstance(a, torch.Tensor)), None)
-        ref = None if first is None else weakref.ref(first)
+        ref = None if first is None else weakref.ref(_source(first) if _copies else first)
         self._trail.append((name, self.pass_, call, _storage_key(args), seq, ref))
         return call
 
@@ -212,8 +212,11 @@ def _alive(ref: Any) -> bool:
 
 
 def _storage_key(args: tuple[Any, ...]) -> tuple | None:
+    """The first tensor's storage, shape and dtype; of what it is a copy of, where
+    alias_grad_inputs made it (a re-run's verbs copy in another order, or not at all)."""
     for arg in args:
         if isinstance(arg, torch.Tensor):
+            arg = _source(arg) if _copies else arg
             return (arg.data_ptr(), tuple(arg.shape), arg.dtype)
     return None
 
@@ -252,13 +255,23 @@ def alias_grad_inputs(
         copied = True
         if not is_compiling():
             key = id(copy)
-            _copies[key] = (weakref.ref(copy, lambda _, k=key: _copies.pop(k, None)), module, outer)
+            ref = weakref.ref(copy, lambda _, k=key: _copies.pop(k, None))
+            _copies[key] = (ref, module, outer, weakref.ref(arg))
     return (tuple(new) if copied else args), hooked
 
 
 # The copies alias_grad_inputs made, by id, while they live: (the copy, weakly; the module of
-# the call; the call's first copy, None where it is this one). Nothing is put on the tensors.
-_copies: dict[int, tuple[weakref.ref[torch.Tensor], nn.Module, torch.Tensor | None]] = {}
+# the call; the call's first copy, None where it is this one; what was copied, weakly).
+# Nothing is put on the tensors.
+_copies: dict[int, tuple[weakref.ref, nn.Module, torch.Tensor | None, weakref.ref]] = {}
+
+
+def _source(arg: Any) -> Any:
+    """What ``arg`` is a copy of, if alias_grad_inputs made it (else ``arg``)."""
+    made = _copies.get(id(arg)) if isinstance(arg, torch.Tensor) else None
+    if made is None or made[0]() is not arg or (source := made[3]()) is None:
+        return arg
+    return _source(source)
 
 
 def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
