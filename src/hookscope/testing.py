@@ -200,15 +200,15 @@ class Internals:
 
     def host_values(self) -> Host:
         """What the step's one transfer would move to the host now (the step goes on)."""
-        return self._monitor._transfer.to_host(self._monitor._now)
+        return self._monitor._transfer.to_host(step_state(self._monitor))
 
     @contextmanager
     def replaying(self) -> Iterator[None]:
         """Run the body as the Monitor's own replays run: the flight recorder keeps no call
         and no statistic counts it."""
         tape = self._monitor._tape
-        tape.paused = True
+        before, tape.paused = tape.paused, True
         try:
             yield
         finally:
-            tape.paused = False
+            tape.paused = before
