@@ -343,3 +343,34 @@ def test_a_state_changed_in_place_is_still_said_not_reproduced_with_the_fix() ->
     assert len(model[2].seen) == 6  # the replays appended nothing: it was put back
     modules, _ = run("modules")
     assert (modules.step, modules.module) == (3, "2")
+
+
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_a_bundle_of_a_weight_made_inf_blames_no_op_of_another_block(tmp_path) -> None:
+    """An Inf written into a GPT-2 weight by the loop: the replay of its bundle names no op
+    (no op made it; the causal mask's -inf before the softmax is no culprit) and matches."""
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    with hs.Monitor(model, every=10, record_dir=tmp_path) as mon:
+        for step in range(4):
+            if step == 2:
+                with torch.no_grad():
+                    model.transformer.h[1].mlp.c_fc.weight[0, :5] = float("inf")
+            out = model(input_ids=ids, labels=ids)
+            loss = out.loss + 1e-2 * out.logits.pow(2).mean()  # two terms of the outputs
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mon.step()
+    first = next(f for f in mon.findings if f.kind == "nonfinite")
+    assert (first.step, first.module, first.op) == (2, "transformer.h.1.mlp.c_fc", None)
+    (bundle,) = tmp_path.glob("step*-nonfinite")
+    result = hs.replay(bundle, gpt2())
+    assert result.loss_matches is True and result.findings == []

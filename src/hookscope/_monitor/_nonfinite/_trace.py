@@ -495,10 +495,10 @@ class _Tracer(TorchDispatchMode):
                 if _finite(t):
                     continue
                 # Made here from finite inputs, or carried from where a non-finite input was
-                # made (nowhere we saw, when it came in with the data or the weights).
-                made = self._origin_of(bad_in) if bad_in else _with(origin, t)
-                if made is not None:
-                    self._origin[id(t)] = (weakref.ref(t), made)
+                # made (nowhere we saw, when it came in with the data or the weights: that is
+                # carried too, so that no op is blamed for it)
+                made = (self._origin_of(bad_in) or _OUTSIDE) if bad_in else _with(origin, t)
+                self._origin[id(t)] = (weakref.ref(t), made)
                 if not bad_in and self.first_forward is None:
                     self.first_forward = made
         elif self.backward_origin is None and not bad_in:
@@ -537,11 +537,16 @@ class _Tracer(TorchDispatchMode):
                 node.metadata["hookscope"] = origin
 
     def _origin_of(self, value: Any) -> Origin | None:
+        """Where the first non-finite tensor of ``value`` was made; ``_OUTSIDE`` only where
+        every one came in from outside (the data, the weights)."""
+        outside = None
         for t in tensors(value):
             entry = self._origin.get(id(t))
             if entry is not None and entry[0]() is t:
-                return entry[1]
-        return None
+                if entry[1] is not _OUTSIDE:
+                    return entry[1]
+                outside = _OUTSIDE
+        return outside
 
     def forward_done(self, output: Any) -> Origin | None:
         """After a replayed forward: the origin of the NaN/Inf that reached the suspect (or
@@ -550,9 +555,15 @@ class _Tracer(TorchDispatchMode):
         before a softmax) is no culprit of a NaN that the backward pass makes."""
         self._label_nodes()
         origin = self.suspect_origin or self._origin_of(output)
+        if origin is _OUTSIDE:  # it came in with the data or the weights: no op made it
+            return None
         if origin is None and (self.suspect_bad or _any_nonfinite(output)):
             origin = self.first_forward
         return origin
+
+
+# The origin of a non-finite value that no op of the replay made (the data, the weights)
+_OUTSIDE = Origin("", "forward", None, None, "NaN")
 
 
 def _with(origin: Origin, t: torch.Tensor) -> Origin:
