@@ -7,16 +7,13 @@ steps, so one outlying step is no finding.
 from __future__ import annotations
 
 import math
-import statistics
 
 from ._finding import Finding
 from ._runs import Run
 from ._thresholds import Thresholds
+from ._training import LossTrail
 
 __all__ = ["LogitGrowth", "MassiveActivations"]
-
-LEARNING = 0.9  # attention_logit_growth holds while the loss falls below this fraction
-LEARN_WINDOW = 5  # losses whose median stands for the loss at a step
 
 
 class MassiveActivations:
@@ -48,7 +45,7 @@ class MassiveActivations:
                         f", {channel:.0f}x the median channel's largest magnitude "
                         f"({chans['median_absmax']:.3g}; kurtosis "
                         f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}: a whole "
-                        "channel carries values hundreds of times the rest (an outlier "
+                        "channel carries values tens to hundreds of times the rest (an outlier "
                         "channel, which a per-tensor int8/fp8 scale cannot represent beside "
                         "the others)"
                     )
@@ -83,25 +80,13 @@ class LogitGrowth:
     def __init__(self, thresholds: Thresholds) -> None:
         self.t = thresholds
         self._recent: dict[str, list[tuple[int, float]]] = {}  # module -> recent (step, logit)
-        self._losses: dict[int, float] = {}  # step -> loss, over the last attn_span steps
+        self._losses = LossTrail()
 
     def loss(self, step: int, value: float | None) -> None:
-        """Every training step's loss (the rule holds its fire while the loss falls)."""
-        if value is not None and math.isfinite(value):
-            self._losses[step] = value
-        for old in [s for s in self._losses if s < step - self.t.attn_span - LEARN_WINDOW]:
-            del self._losses[old]
-
-    def learning(self, since: int, step: int) -> bool:
-        """The loss fell by ``LEARNING`` or more from ``since`` to ``step`` (medians of the
-        ``LEARN_WINDOW`` losses up to each): attention sharpening as a model learns (a
-        nanoGPT run's logits 12.6 -> 53 while its loss fell 4.4 -> 2.9) is no instability;
-        the growth that precedes divergence comes with a loss that stalls or rises."""
-        then = [v for s, v in self._losses.items() if since - LEARN_WINDOW < s <= since]
-        now = [v for s, v in self._losses.items() if step - LEARN_WINDOW < s <= step]
-        if not then or not now:
-            return False
-        return statistics.median(now) < LEARNING * statistics.median(then)
+        """Every training step's loss (the rule holds its fire while the loss falls: a
+        nanoGPT run's logits 12.6 -> 53 while its loss fell 4.4 -> 2.9 is a model that
+        learns, see :meth:`LossTrail.learning`)."""
+        self._losses.see(step, value)
 
     def check(self, step: int, attn: dict[str, dict[str, float]]) -> list[Finding]:
         found = []
@@ -115,7 +100,7 @@ class LogitGrowth:
                 continue
             low_step, low = min(recent, key=lambda tv: tv[1])
             grew = value >= self.t.attn_growth * max(low, 0.0) and value > low
-            if grew and not self.learning(low_step, step):
+            if grew and not self._losses.learning(low_step, step):
                 found.append(
                     Finding(
                         "attention_logit_growth",

@@ -66,7 +66,12 @@ class Thresholds:
             ~1/(1 - beta1) = 10 steps, and a run that learns through them is fine (a learning
             rate too high for Adam makes the loss rise at once). Steps where a learning rate
             (the scalars ``lr``, ``lr/*``) is higher than at the step before (a warm-up) are
-            not judged on either side: the ratio follows the schedule there.
+            not judged on either side: the ratio follows the schedule there. Nor are
+            updates too large while the loss falls by a tenth or more over the run of high
+            ratios (medians of 5 losses at its ends): Adagrad's first updates (~lr per
+            element, shrinking as 1/sqrt(t)) and SGD's on an untrained model move small
+            weights by more than a tenth while the run learns fast; a learning rate too
+            high stalls the loss or makes it rise, and is found then.
         no_grad_span: ``update_ratio`` (no gradient) when a parameter of a module whose
             output went on detached had no gradient for this many training steps.
         tiny_rms: Weights whose RMS is below this (zero-initialised cls tokens, gates and
@@ -105,7 +110,11 @@ class Thresholds:
             whole outlier channel: it carries most of the RMS itself, so the ratio above
             stays near sqrt(positions), ~25, even for a channel x1000; Dettmers et al.
             2022, "LLM.int8()": outlier features 20x and more break int8 quantisation). A
-            channel of normal values differs from the median one by a few times.
+            channel of normal values differs from the median one by a few times: at most
+            6x on healthy MLPs, CNNs with BatchNorm and GPT-2s under SGD and Adam
+            (``benchmarks/heldout.py``), so 50 leaves a margin of 8 and finds a channel
+            x100 even where its own values are half the median channel's (at 100, a channel
+            x100 was found only where its values happened to be above the median's).
         underflow / overflow / precision_span: with ``Monitor(precision=...)``,
             ``precision_underflow`` when more than ``underflow`` of a module's output or
             output-gradient values would round to zero in a dtype named, and
@@ -158,7 +167,7 @@ class Thresholds:
     spike_lead: int = 20
     massive: float = 100.0
     massive_span: int = 20
-    massive_channel: float = 100.0
+    massive_channel: float = 50.0
     underflow: float = 0.1
     overflow: float = 0.0
     precision_span: int = 20

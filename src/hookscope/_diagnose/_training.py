@@ -9,12 +9,47 @@ stays far above its lowest value.
 from __future__ import annotations
 
 import math
+import statistics
 
 from ._finding import Finding
 from ._runs import Growth, Run
 from ._thresholds import Thresholds
 
-__all__ = ["Training"]
+__all__ = ["LossTrail", "Training"]
+
+LEARNING = 0.9  # a run learns while its loss falls below this fraction over a span
+LEARN_WINDOW = 5  # losses whose median stands for the loss at a step
+TRAIL = 4096  # training steps of losses kept
+
+
+class LossTrail:
+    """The finite losses of the last ``TRAIL`` training steps, and whether the run learned
+    over a span of them."""
+
+    def __init__(self) -> None:
+        self._losses: dict[int, float] = {}  # step -> loss, oldest first
+
+    def see(self, step: int, value: float | None) -> None:
+        if value is not None and math.isfinite(value):
+            self._losses[step] = value
+        if len(self._losses) > 2 * TRAIL:  # prune in one go, not per step
+            self._losses = {s: v for s, v in self._losses.items() if s > step - TRAIL}
+
+    def at(self, step: int) -> float | None:
+        """The median of the losses of the ``LEARN_WINDOW`` steps up to ``step``, of those
+        logged (``None`` when none was)."""
+        near = [
+            self._losses[s] for s in range(step - LEARN_WINDOW + 1, step + 1) if s in self._losses
+        ]
+        return statistics.median(near) if near else None
+
+    def learning(self, since: int, step: int) -> bool:
+        """The loss fell to ``LEARNING`` of its value or below from ``since`` to ``step``
+        (medians of the ``LEARN_WINDOW`` losses up to each): what a large update, or an
+        attention that sharpens, does to a run that learns; the instabilities these rules
+        stand for come with a loss that stalls or rises."""
+        then, now = self.at(since), self.at(step)
+        return then is not None and now is not None and now < LEARNING * then
 
 
 class Training:
@@ -26,6 +61,7 @@ class Training:
         self.updated = 0  # training steps with an optimizer update so far
         self.warming = False  # a learning rate rose at this step
         self.loss, self.norm, self.total = Growth(), Growth(), Growth()
+        self.losses = LossTrail()
         self.judged = True  # the latest step's loss or gradient norm could be judged
         self._lrs: dict[str, float] = {}
         self._diverging = Run()
@@ -47,6 +83,7 @@ class Training:
         its weight at the last sampled step (``""`` when none); ``grad_total``: the L2 norm of
         all the step's gradients (see :meth:`_divergence`)."""
         self.last_step = step
+        self.losses.see(step, scalars.get("loss"))
         self.updated += updates > 0
         # A warm-up raises the learning rate by at most about x2 a step (a linear one from
         # zero doubles it once); a jump of more is a change the ratios must be judged under.

@@ -2,7 +2,7 @@
 
 ||ΔW||/||W|| of each weight matrix or kernel is judged over ``update_span`` training steps,
 not during a learning-rate warm-up, and not on the high side during Adam's first updates
-while the loss falls, and not on the low side for lookup tables (embeddings: a step moves
+while the loss falls nor while the loss falls by a tenth over the run of high ratios, and not on the low side for lookup tables (embeddings: a step moves
 only the rows its batch used). A parameter whose module's output went on detached and that
 gets no gradient is an ``update_ratio`` finding too: its optimizer never changes it.
 """
@@ -62,6 +62,12 @@ class Updates:
                 run.forget()  # a transient: not judged, and no run goes on across it
                 continue
             run.see(step, side)
+            # Updates a run learns through are no fault: an optimizer's early transient
+            # (Adagrad's first updates are ~lr per element and shrink as 1/sqrt(t), SGD's
+            # follow the untrained model's large gradients) moves small weights by more than
+            # a tenth while the loss falls fast; a learning rate too high stalls it.
+            if side == "high" and training.losses.learning(run.since, step):
+                continue
             if run.state and run.lasted(self.t.update_span):
                 found.append(self._update_finding(step, name, ratio, run))
         return found
