@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compat import is_compiling
 from ._errors import (
     HookscopeError,
     MissingRecordError,
@@ -26,14 +27,18 @@ from ._hooks import (
     alias_grad_inputs,
     alias_grad_outputs,
     break_graph_for,
+    close_tap,
     eager_model,
     forward_failed,
+    grad_tap,
     in_backward_recompute,
     no_grad_in_model_message,
+    open_tap,
+    taps_compile,
 )
 from ._record import Keeper, Record, version
 from ._select import Where, select
-from ._tree import tensors
+from ._tree import map_tensors, tensors
 
 __all__ = ["Capture", "capture"]
 
@@ -131,6 +136,7 @@ class Capture:
         self._rerun: set[str] = set()
         self._hooks = HookSet("capture")
         self._grads_seen = False
+        self._tapped = False  # a compiled graph passed outputs through the gradient identity
         with self._hooks.attaching():
             self._attach(model)
 
@@ -140,6 +146,12 @@ class Capture:
         modules = dict(model.named_modules())
         self._grads = "grad_input" in self.what or "grad_output" in self.what
         self._uses_pre = "input" in self.what or self._grads
+        # Output gradients inside a compiled graph: one tap slot per module (_tap_grad)
+        self._taps: dict[str, int] = {}
+        if "grad_output" in self.what and taps_compile():
+            for name in self.names:
+                self._taps[name] = open_tap(functools.partial(self._tap_grad, name))
+            self._hooks.on_remove(self._close_taps)
         for name in self.names:
             module = modules[name]
             if self._uses_pre:
@@ -207,6 +219,8 @@ class Capture:
     def _hook_grad_outputs(self, record: Record, output: Any, args: tuple, kwargs: dict) -> Any:
         if "grad_output" not in self.what:
             return None
+        if is_compiling() and record.name in self._taps:
+            return self._tap_grad_outputs(record, output)
         break_graph_for(f"capture of the gradients of {record.name!r}", "capture")
         new, aliases = alias_grad_outputs(output, args, kwargs)
         record._grad_out = [None] * len(tensors(output))
@@ -214,6 +228,39 @@ class Capture:
             if t is not None:
                 self._hooks.tensor(t, functools.partial(self._store_grad, record, "_grad_out", i))
         return None if new is output else new
+
+    def _tap_grad_outputs(self, record: Record, output: Any) -> Any:
+        """Inside a compiled graph: each output tensor through the gradient identity (a
+        custom op, no graph break). Its gradient comes to :meth:`_tap_grad` during backward."""
+        slot, seen = self._taps[record.name], [0]
+        record._grad_out = [None] * len(tensors(output))
+        self._tapped = True
+
+        def tap(t: torch.Tensor) -> torch.Tensor:
+            i = seen[0]
+            seen[0] += 1
+            return grad_tap(t, slot, i) if t.requires_grad else t
+
+        return map_tensors(tap, output)
+
+    def _tap_grad(self, name: str, index: int, grad: torch.Tensor) -> None:
+        """A gradient from a compiled graph, for output ``index`` of ``name``: it goes to the
+        latest record of ``name`` still without one there. Backward runs a pass's calls last
+        first, so a module called twice gets each call's gradient, as the eager hooks do."""
+        for record in reversed(self._records[name]):
+            slots = record._grad_out
+            if slots is not None and index < len(slots) and slots[index] is None:
+                kept = self._keeper.tensor(grad)
+                if kept.data_ptr() == grad.data_ptr():  # a graph's buffer: copy it
+                    kept = kept.clone()
+                slots[index] = kept
+                self._grads_seen = True
+                return
+
+    def _close_taps(self) -> None:
+        for slot in self._taps.values():
+            close_tap(slot)
+        self._taps.clear()
 
     def _store_grad(self, record: Record, slot: str, index: int, grad: torch.Tensor) -> None:
         getattr(record, slot)[index] = self._keeper.tensor(grad)
@@ -240,7 +287,8 @@ class Capture:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         waiting = self._waiting()
-        unreached = len(self._hooks._tensor_handles) > 0 and not self._grads_seen
+        hooked = len(self._hooks._tensor_handles) > 0 or self._tapped
+        unreached = hooked and not self._grads_seen
         self.close()
         self._no_grad.clear()
         self._in_model.clear()

@@ -6,6 +6,7 @@ means, and replaces anything in torch.
 - ``_points.py``: sites, calls counted per forward pass, recomputes mapped to the call they
   repeat, and the copies whose hooks see one module's gradients.
 - ``_compile.py``: hooks and compiled models.
+- ``_grad_tap.py``: the gradient identity that reads output gradients inside compiled graphs.
 - ``_patches.py``: the one owner of every replaced attribute of torch or Python.
 """
 
@@ -22,6 +23,7 @@ from ._compile import (
     uncompiled,
     unwrap_parallel,
 )
+from ._grad_tap import close_tap, grad_tap, open_tap, taps_compile
 from ._patches import patched, use
 from ._points import (
     POINTS,
@@ -44,19 +46,23 @@ __all__ = [
     "alias_grad_outputs",
     "break_graph_for",
     "check_not_compiled",
+    "close_tap",
     "compiled_wrappers",
     "eager_calls",
     "eager_model",
     "eager_only",
     "forward_failed",
+    "grad_tap",
     "guard_module_hooks",
     "in_backward_recompute",
     "live_handle_sets",
     "live_handles",
     "live_objects",
     "no_grad_in_model_message",
+    "open_tap",
     "patched",
     "same_layout_copy",
+    "taps_compile",
     "training_mode",
     "uncompiled",
     "unwrap_parallel",

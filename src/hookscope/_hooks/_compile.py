@@ -76,6 +76,8 @@ def guard_module_hooks(hooks: HookSet) -> None:
     is imported (importing it costs seconds; nothing compiles before): a verb calls this
     when attaching and at each outermost call of the model.
     """
+    if is_compiling():  # traced into a root's graph: the guard is set by then
+        return
     config = sys.modules.get("torch._dynamo.config")
     if config is not None:
         hooks.patch(config, "skip_nnmodule_hook_guards", lambda skip: False)
