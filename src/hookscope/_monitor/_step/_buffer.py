@@ -113,13 +113,14 @@ class StepBuffer:
         self._reduce[block] = "sum"
 
     def _in_block(self, key: Hashable) -> bool:
-        return any(
-            type(key) is tuple
-            and len(key) == 2
-            and key[0] == prefix
-            and start <= key[1] < start + n
-            for prefix, start, n in self._blocks.values()
-        )
+        # a loop, not any(generator): a sampled step asks this of every key it adds
+        if type(key) is not tuple or len(key) != 2:
+            return False
+        head, at = key
+        for prefix, start, n in self._blocks.values():
+            if head == prefix and start <= at < start + n:
+                return True
+        return False
 
     def _unblock(self) -> None:
         """Every block split into its keys, each in the block's place among the values."""
