@@ -136,6 +136,9 @@ class Activations:
         self.rows = Rows()
         self.block = _Block()
         self._fused: tuple[tuple[str, int], ...] = ()  # the modules' channels in ``_FUSED``
+        # a module's channels may wait under its own key (``_channels``) since the last
+        # :meth:`collect`: read them all by key
+        self._split = False
 
     def forward(self, buf: StepBuffer, name: str, outs: list[torch.Tensor]) -> None:
         plan = self.plans[name]
@@ -156,6 +159,7 @@ class Activations:
             if t.dim() >= 2 and t.shape[channel_dim(t)] >= 2:
                 if exact:
                     _channels(buf, name, self.sampler.channel_amax(t, x))
+                    self._split = True
                 else:
                     channels = self.sampler.channel_ids(t)
             out = _Out(name, x, t.numel(), tuple(t.shape), channels, row)
@@ -269,6 +273,7 @@ class Activations:
         sizes = dict(self._fused)
         for name, block in zip(sizes, amax.split(list(sizes.values())), strict=True):
             _channels(buf, name, block)
+        self._split = True
 
     def collect(self, buf: StepBuffer) -> None:
         """Every kept sample's statistics (the buffer's kept samples: this probe's and the
@@ -276,7 +281,10 @@ class Activations:
         indices, padded to ``TOP_CHANNELS`` (index -1)."""
         buf.settle()
         fused = buf.value(_FUSED)
-        if fused is not None and not any(("act_chan", n) in buf for n in self.plans):
+        split, self._split = self._split, False
+        if fused is None and not split:
+            return  # no channels this step (or read by an earlier call)
+        if fused is not None and not split:
             # one pass this step (the usual): every module's channels from its vector
             buf.take(_FUSED)
             sizes = dict(self._fused)
@@ -290,6 +298,7 @@ class Activations:
                 if amax is not None:
                     names.append(name)
                     values.append(amax)
+            self._split = False  # every module's key read
             if not names:
                 return
             pad = max(TOP_CHANNELS - max(v.numel() for v in values), 0)
