@@ -575,7 +575,8 @@ def test_gradients_inside_a_full_graph_are_refused_with_hookscopes_reason(verb: 
 
     def attach(model: nn.Module):
         if verb == "capture":
-            return hs.capture(model, "blocks.1.fc", what="grad_output")
+            # grad_output alone compiles (tests/test_compiled_grads.py); grad_input does not
+            return hs.capture(model, "blocks.1.fc", what=("grad_input", "grad_output"))
         return hs.intervene(model, "blocks.1.fc", lambda g, site: g * 2, at="grad_output")
 
     refused = attach(net)
@@ -589,9 +590,12 @@ def test_gradients_inside_a_full_graph_are_refused_with_hookscopes_reason(verb: 
         net(x).sum().backward()
         twin(x).sum().backward()
     if verb == "capture":
-        assert torch.allclose(
-            compiled["blocks.1.fc"].grad_output[0], eager["blocks.1.fc"].grad_output[0]
-        )
+        for point in ("grad_input", "grad_output"):
+            got, want = (
+                getattr(compiled["blocks.1.fc"], point),
+                getattr(eager["blocks.1.fc"], point),
+            )
+            assert torch.allclose(got[0], want[0])
     for p, q in zip(net.parameters(), twin.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad)
     assert_torch_is_torchs()

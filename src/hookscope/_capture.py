@@ -78,6 +78,12 @@ def capture(
     same gradient terms in another order, and parameter gradients may differ in the last
     bits (about 1e-7 relative, as with PyTorch's own full backward hooks).
 
+    Inside a ``torch.compile`` graph (attached before or after compiling, ``fullgraph=True``
+    included; torch 2.7+) ``"output"``, ``"input"`` and ``"grad_output"`` are read with no
+    graph break: each output passes through a gradient identity (a custom op, a copy) whose
+    backward hands its gradient to the capture. ``"grad_input"`` still needs a tensor hook:
+    Dynamo breaks the graph at that module, and ``fullgraph=True`` refuses it, saying so.
+
     Modules the model itself runs without autograd get their gradients when the model runs
     them again during backward: reentrant activation checkpointing, and reversible layers
     (Reformer: each layer's attention and feed_forward, not the layer around them). A

@@ -53,15 +53,17 @@ def break_graph_for(what: str, verb: str) -> None:
     A gradient is read or edited by a tensor hook that calls Python during backward, which
     a graph cannot hold: Dynamo breaks the graph at this module (the model still compiles,
     around it), and under ``fullgraph=True``, where it may not, it refuses with this message
-    instead of an internal error pointing into hookscope."""
+    instead of an internal error pointing into hookscope. (capture's ``grad_output`` needs
+    no hook there: it goes through the gradient identity, ``_grad_tap.py``.)"""
     if is_compiling():
         import torch._dynamo
 
+        values = "'input'/'output'" + ("/'grad_output'" if verb == "capture" else "")
         torch._dynamo.graph_break(
             msg=f"hookscope: {what} needs a gradient hook, which cannot be compiled into a "
             "graph. Fix: compile without fullgraph=True (the graph then breaks at this module "
             f"only), or run {verb} on the eager model (`compiled._orig_mod`), or ask only for "
-            "'input'/'output' values, which compile without a break."
+            f"{values}, which compile without a break."
         )
 
 
