@@ -19,7 +19,7 @@ by one step). Outlier channels: a forward hook multiplies one output channel (ev
 row/pixel/token), or one channel at a few tokens, by 10, 100 or 1000.
 
 Run ``python benchmarks/heldout.py`` for the table; ``python benchmarks/heldout.py spike`` runs
-only the cases whose name contains ``spike``. Tests import :func:`run_case` and the case
+only the cases whose name contains ``spike`` (several words: any of them). Tests import :func:`run_case` and the case
 builders.
 """
 
@@ -500,8 +500,8 @@ def all_cases() -> list[Case]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    pattern = sys.argv[1] if len(sys.argv) > 1 else ""
-    cases = [c for c in all_cases() if pattern in c.name]
+    patterns = sys.argv[1:] or [""]
+    cases = [c for c in all_cases() if any(p in c.name for p in patterns)]
     print(f"{'case':34} {'rule':20} {'result':7} {'units':>5} {'found at':24} twin's findings")
     found = missed = alarms = 0
     for case in cases:
