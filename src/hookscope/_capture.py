@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -156,7 +157,9 @@ class Capture:
         self._taps: dict[str, int] = {}
         if "grad_output" in self.what and taps_compile():
             for name in self.names:
-                self._taps[name] = open_tap(functools.partial(self._tap_grad, name))
+                # by a weak reference: the registry is the process's, the capture is not
+                tap = functools.partial(_tap_grad, weakref.ref(self), name)
+                self._taps[name] = open_tap(tap)
             self._hooks.on_remove(self._close_taps)
         for name in self.names:
             module = modules[name]
@@ -407,6 +410,12 @@ class Capture:
         from ._tree import describe
 
         return capture_html(self, describe)
+
+
+def _tap_grad(ref: weakref.ref[Capture], name: str, index: int, grad: torch.Tensor) -> None:
+    capture = ref()
+    if capture is not None:
+        capture._tap_grad(name, index, grad)
 
 
 def _exact_names(where: Where, names: tuple[str, ...]) -> list[str]:

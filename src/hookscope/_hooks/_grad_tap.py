@@ -31,7 +31,7 @@ __all__ = ["close_tap", "grad_tap", "open_tap", "taps_compile"]
 
 _CALLBACKS: dict[int, Callable[[int, torch.Tensor], None]] = {}
 _SLOTS = itertools.count()
-_OPS: list[Any] = []  # the forward op, defined at the first open_tap
+_OPS: list[Any] = []  # the forward op, defined by the first trace (_ready)
 
 
 def taps_compile() -> bool:
@@ -41,9 +41,9 @@ def taps_compile() -> bool:
 
 def open_tap(callback: Callable[[int, torch.Tensor], None]) -> int:
     """A fresh slot whose gradients go to ``callback(index, grad)``. ``grad`` lives in a
-    compiled graph's buffer, which Inductor may reuse after the op: copy what is kept."""
-    if not _OPS:
-        _OPS.append(_define())
+    compiled graph's buffer, which Inductor may reuse after the op: copy what is kept.
+    Defines nothing: the ops are defined by the first trace that uses them (:func:`_ready`),
+    so an eager capture never pays for them."""
     slot = next(_SLOTS)
     _CALLBACKS[slot] = callback
     return slot
@@ -57,7 +57,20 @@ def close_tap(slot: int) -> None:
 def grad_tap(x: torch.Tensor, slot: int, index: int) -> torch.Tensor:
     """``x`` (a copy) whose gradient goes to ``slot``'s callback as ``index``. For traced
     code: the op is opaque, so Inductor runs it (and its backward) at run time."""
+    _ready()
     return torch.ops.hookscope.grad_tap(x, slot, index)
+
+
+def _ready() -> bool:
+    """Define the ops (once, tens of ms). Called while Dynamo traces :func:`grad_tap`."""
+    if not _OPS:
+        _OPS.append(_define())
+    return True
+
+
+# What torch.compiler.assume_constant_result(_ready) does (Dynamo calls it while tracing, with
+# no graph break, and keeps the result), without importing Dynamo at ``import hookscope``.
+_ready._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _keep(grad: torch.Tensor, slot: int, index: int) -> None:
