@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -133,7 +132,9 @@ class Capture:
         self._keeper = keeper
         self._named = _exact_names(where, self.names)
         self._records: dict[str, list[Record]] = {name: [] for name in self.names}
-        self._open: dict[str, list[Record | None]] = defaultdict(list)  # pre-hook -> hook
+        # pre-hook -> hook, one list per module from the start: a compiled graph guards on
+        # this dict's length, which a defaultdict would change at each new module's call
+        self._open: dict[str, list[Record | None]] = {name: [] for name in self.names}
         # Records of forward passes run without autograd that asked for gradients: a reentrant
         # checkpoint or a reversible layer re-runs them with autograd during backward, and
         # the gradients come then. _in_model: those whose autograd the model itself turned
@@ -289,7 +290,8 @@ class Capture:
     def close(self) -> None:
         """Remove every hook this capture added. The records stay readable."""
         self._hooks.remove()
-        self._open.clear()
+        for calls in self._open.values():
+            calls.clear()
 
     def __enter__(self) -> Capture:
         return self
