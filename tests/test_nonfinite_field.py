@@ -338,7 +338,7 @@ def test_a_state_changed_in_place_is_still_said_not_reproduced_with_the_fix() ->
     edges, model = run("edges")
     assert edges.step == 3 and edges.module == ""
     assert "did not reproduce" in edges.message and 'check="modules"' in edges.message
-    assert "module '2' changed its own 'seen' in place" in edges.message
+    assert "module '2' changed its own 'seen' when it ran" in edges.message
     assert "most likely starts in '2'" in edges.message
     assert len(model[2].seen) == 6  # the replays appended nothing: it was put back
     modules, _ = run("modules")
@@ -374,3 +374,20 @@ def test_a_bundle_of_a_weight_made_inf_blames_no_op_of_another_block(tmp_path) -
     (bundle,) = tmp_path.glob("step*-nonfinite")
     result = hs.replay(bundle, gpt2())
     assert result.loss_matches is True and result.findings == []
+
+
+def test_a_sqrt_of_negative_outputs_in_the_loss_names_the_op_of_the_nan_gradient() -> None:
+    """``sqrt`` of negative logits: the loss and the gradient reaching the model are NaN;
+    the finding at the model's output gradient names the op of the loss code that made it."""
+    mon, losses = nan_loss_run(lambda logits: 1e-3 * torch.sqrt(logits).mean())
+    assert not losses[2][1]  # plain torch: the gradients are NaN
+    first = nonfinite(mon)[0]
+    assert (first.step, first.phase, first.op) == (2, "backward", "aten.sqrt")
+    assert "aten.sqrt made NaN from finite values, and its gradient with it" in first.message
+
+
+def test_an_op_of_a_nan_gradient_that_cannot_be_re_run_is_listed() -> None:
+    mon, _ = nan_loss_run(lambda logits: 1e-3 * torch.sqrt(logits - 0.5).mean())
+    first = nonfinite(mon)[0]
+    assert (first.step, first.phase, first.op) == (2, "backward", None)
+    assert "could not be re-run" in first.message and "aten.sqrt" in first.message

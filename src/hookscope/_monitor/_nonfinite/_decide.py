@@ -61,9 +61,10 @@ def not_replayed(changed: list[tuple[str, list[str]]]) -> str:
     )
     where = " or ".join(repr(name) for name, _ in changed)
     return (
-        f". A replay of the step did not reproduce it, so no op is named: {said} in place "
-        "when it ran, which a replay cannot rewind (a count it rebinds, it can), so the "
-        f"replay did not run as the step did; the NaN/Inf most likely starts in {where}"
+        f". A replay of the step did not reproduce it, so no op is named: {said} when it "
+        "ran, in a way the replay could not rewind to the step's start (a list or dict "
+        "changed in place, or an attribute that first changed after the first two steps), "
+        f"so the replay did not run as the step did; the NaN/Inf most likely starts in {where}"
         + CHECK_MODULES
     )
 
@@ -290,6 +291,10 @@ class NonFiniteDecision:
         if origin is not None and not unseen:
             # where only the edges were flagged, their message says no more than the op's
             return origin.refine(finding, cheap_check=not state.light)
+        if origin is None and finding.phase == "backward" and self._nonfinite_from_loss():
+            made = self._made_by_loss_code(state, finding)  # not in the model: after it
+            if made is not finding:
+                return made
         if state.light:  # only the model's edges were flagged
             flagged = self._flagged_replay(finding.step)
             if flagged is not None and flagged.phase == finding.phase:
@@ -298,6 +303,37 @@ class NonFiniteDecision:
             if unseen or flagged is not None:
                 return dataclasses.replace(finding, message=finding.message + not_replayed(changed))
         return finding
+
+    def _nonfinite_from_loss(self) -> bool:
+        """The gradient that reached the model's outputs from the code after it was already
+        non-finite (the tape's record of it)."""
+        grads = [g for call in self._tape.calls for g in call.grads.values()]
+        return any(not bool(torch.isfinite(g).all()) for g in grads if g.is_floating_point())
+
+    def _made_by_loss_code(self, state: StepState, finding: Finding) -> Finding:
+        """A NaN/Inf gradient that came into the model from the loss: the op of the loss
+        code that made a NaN/Inf from the model's finite outputs, where one did (its
+        gradient is then non-finite too: ``sqrt`` of a negative). A replay of the model
+        cannot tell more: it starts from that gradient, and found nothing."""
+        found = self._loss_origin(state)
+        if found is None or (found.op is None and not found.candidates):
+            return finding
+        if found.op is None:
+            message = (
+                f"{finding.message}: it was made after the model, in the code that computes "
+                "the loss from the model's outputs, whose op could not be re-run from what "
+                f"autograd keeps; the ops there that can make a NaN/Inf: "
+                f"{', '.join(found.candidates)}"
+            )
+            return dataclasses.replace(finding, message=message)
+        message = (
+            f"{finding.message}: it was made after the model, in the code that computes the "
+            f"loss from the model's outputs, where {found.op}{found.how} made "
+            f"{found.produced} from finite values, and its gradient with it (no source line: "
+            "autograd keeps none without anomaly mode; look for that op between the model's "
+            "output and the loss)"
+        )
+        return dataclasses.replace(finding, op=found.op, message=message)
 
     def _flagged_replay(self, step: int) -> Finding | None:
         """Where the op tracer names no op (the data itself was NaN, say): replay the step
