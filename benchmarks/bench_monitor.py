@@ -360,6 +360,9 @@ class _NoChecks:
     def before_backward(self) -> None:
         pass
 
+    def backward_missed(self) -> None:
+        pass
+
     def begin(self, buf: Any) -> None:
         pass
 
