@@ -37,6 +37,7 @@ import torch
 
 from ..._diagnose import Finding, Thresholds
 from ..._log import Window
+from ..._stats import norms
 from .._step._buffer import Host, StepBuffer
 from .._step._dist import local
 from .._step._norms import Norms
@@ -166,9 +167,7 @@ class WeightNorms:
                 views = cached[1]
                 values = self._norms[k](views)  # None: a sample view to stack is strided
                 if values is None:
-                    half = views[0].dtype in (torch.float16, torch.bfloat16)
-                    accumulate = torch.float32 if half else None
-                    values = torch.stack(torch._foreach_norm(views, 1, dtype=accumulate)).float()
+                    values = torch.stack(norms(views, 1))
                 buf.set(("weights", k), values)
 
     def read(self, host: Host) -> dict[str, float]:
