@@ -210,8 +210,8 @@ PARTS = [
     ("_monitor._checks._updates", "NotUpdated", "_post", "checks' optimizer hooks"),
     ("_monitor._checks._grads", "StaleGradients", "_pre", "checks' optimizer hooks"),
     ("_monitor._checks._grads", "StaleGradients", "_post", "checks' optimizer hooks"),
-    ("_monitor._wiring._heard", "Ears", "before_backward", "backward listener"),
-    ("_monitor._wiring._heard", "Ears", "after_backward", "backward listener"),
+    ("_monitor._step._heard", "Ears", "before_backward", "backward listener"),
+    ("_monitor._step._heard", "Ears", "after_backward", "backward listener"),
     ("_monitor", "Monitor", "step", "Monitor.step()"),
 ]
 

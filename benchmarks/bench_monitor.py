@@ -401,7 +401,7 @@ class _NoWindow:
 
 
 def without_window(model: nn.Module, **kwargs: Any) -> Monitor:
-    with mock.patch("hookscope._monitor._probes._set.SpikeWatch", _NoWindow):
+    with mock.patch("hookscope._monitor._wiring._probeset.SpikeWatch", _NoWindow):
         return Monitor(model, **kwargs)
 
 

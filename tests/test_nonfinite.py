@@ -559,8 +559,8 @@ def test_a_nan_gradient_whose_l2_norm_is_infinite_is_still_found() -> None:
 def test_a_backward_nan_seen_only_on_parameters_is_blamed_on_the_last_one_it_reached() -> None:
     """Only parameter gradients flagged (the edges were finite): a NaN made in the backward
     reaches every parameter before its origin, so the last bad one is nearest to it."""
-    from hookscope._monitor._nonfinite._trail import NonFiniteTrail
     from hookscope._monitor._step._buffer import StepBuffer
+    from hookscope._monitor._step._trail import NonFiniteTrail
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
     params = dict(model.named_parameters())

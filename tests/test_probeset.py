@@ -1,4 +1,4 @@
-"""Every probe of a Monitor as one collection (``_monitor/_probes/_set.py``): hooked onto a real
+"""Every probe of a Monitor as one collection (``_monitor/_wiring/_probeset.py``): hooked onto a real
 model, a sampled step's buffer holds what each probe measured, the layout of the step's
 collective has an entry of the right size for each of those keys, the record is filled from
 the host values (output gradients divided by the loss scale), and the BatchNorm running
@@ -15,10 +15,10 @@ from torch import nn
 from hookscope._diagnose import Thresholds
 from hookscope._hooks import HookSet
 from hookscope._log import StepRecord
-from hookscope._monitor._probes._set import ProbeSet
 from hookscope._monitor._step._buffer import StepBuffer
 from hookscope._monitor._step._state import StepState
 from hookscope._monitor._wiring._modules import ModuleHooks
+from hookscope._monitor._wiring._probeset import ProbeSet
 from hookscope.testing import assert_no_hooks
 from models import ResNet, gpt2, images, token_ids
 

@@ -1,4 +1,4 @@
-"""The step's one transfer (``_monitor/_step/_transfer.py``): the activation probe settles before the
+"""The step's one transfer (``_monitor/_wiring/_transfer.py``): the activation probe settles before the
 buffer moves (only each module's top channels travel), and what a compiled graph measured is
 drained into the buffer and unpacked into the entries and flags eager hooks write."""
 

@@ -1,11 +1,11 @@
 """Monitor: layer-by-layer training health at the cost of a bare training step.
 
-The Monitor only orchestrates. Its probes (``_probes/_set.py``) and checks (``_checks/``) are
+The Monitor only orchestrates. Its probes (``_wiring/_probeset.py``) and checks (``_checks/``) are
 hooked onto the model once (``_wiring/_build.py``). While a step runs, the hooks write the step's
-state (``_step/_state.py``): the probes and the non-finite trail (``_nonfinite/_trail.py``) put small device
+state (``_step/_state.py``): the probes and the non-finite trail (``_step/_trail.py``) put small device
 tensors into the step's :class:`StepBuffer`, and around each optimizer update the final
 gradients are read and checked (``_wiring/_update.py``). ``step()`` moves the buffer to the host in
-one transfer (``_step/_transfer.py``), has each probe and check fill its part of a typed
+one transfer (``_wiring/_transfer.py``), has each probe and check fill its part of a typed
 :class:`StepRecord` (``_log.py``), has the non-finite decision (``_nonfinite/_decide.py``) and the
 diagnosis judge the step, and writes the records and findings out (``_output.py``).
 """
@@ -48,13 +48,13 @@ from ._options import (
     thresholds_from,
 )
 from ._output import Output
-from ._probes._set import ProbeSet
 from ._probes._signals import SkipList
 from ._step._buffer import Host
 from ._step._dist import RankInfo
 from ._step._state import StepState
 from ._warnings import Warnings
 from ._wiring._build import Wiring
+from ._wiring._probeset import ProbeSet
 
 if TYPE_CHECKING:
     from .._explain._probe import Probe, ProbeRun
@@ -233,7 +233,7 @@ class Monitor:
         self.step_count = 0
         self._model = model
         self.graph = Graph(frozenset())  # which watched module fed which, last sampled step
-        self._probes = ProbeSet(  # what it measures (``_probes/_set.py``)
+        self._probes = ProbeSet(  # what it measures (``_wiring/_probeset.py``)
             model,
             self.modules,
             self.thresholds,

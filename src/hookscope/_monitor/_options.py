@@ -26,7 +26,6 @@ __all__ = [
     "is_leaf",
     "ranks",
     "settings",
-    "split_scalars",
     "thresholds_from",
 ]
 
@@ -135,39 +134,6 @@ def device_of(model: nn.Module) -> torch.device:
     first = next(model.parameters(), None)
     first = first if first is not None else next(model.buffers(), None)
     return first.device if first is not None else torch.device("cpu")
-
-
-def split_scalars(scalars: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """``step()``'s scalars, each checked: the tensors (detached, one ``float32`` element
-    each, for the step's one transfer) and the numbers."""
-    given: dict[str, torch.Tensor] = {}
-    plain: dict[str, float] = {}
-    for key, value in scalars.items():
-        if isinstance(value, torch.Tensor):
-            given[key] = _scalar_tensor(key, value)
-        else:
-            plain[key] = _scalar_number(key, value)
-    return given, plain
-
-
-def _scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
-    if value.numel() != 1:
-        raise ValueError(
-            f"step({key}=...): a scalar must be a number or a one-element tensor, got a tensor "
-            f"of shape {tuple(value.shape)}. Fix: reduce it first, e.g. {key}={key}.mean()."
-        )
-    return value.detach().float().reshape(1)
-
-
-def _scalar_number(key: str, value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"step({key}=...): a scalar must be a number or a one-element tensor, got "
-            f"{type(value).__name__} {value!r:.60}. Fix: pass the value itself, e.g. "
-            f"mon.step({key}=loss) with loss a tensor or a float."
-        ) from None
 
 
 def check_batch_indices(batch: Any) -> None:

@@ -1,6 +1,6 @@
 """The non-finite decision: where a step's first NaN/Inf arose, as precisely as can be told.
 
-The trail's flags (``_nonfinite/_trail.py``) name the module whose output or gradient went bad
+The trail's flags (``_step/_trail.py``) name the module whose output or gradient went bad
 first. The first time a finding is seen, a replay of the step under the op tracer
 (``_nonfinite/_trace.py``) adds the op, the phase and the source line. Only the model's edges are
 flagged; where the tracer names no op (the data itself was NaN, say), the step is replayed

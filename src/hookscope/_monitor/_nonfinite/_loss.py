@@ -3,7 +3,7 @@
 That code runs outside the model's hooks and outside a replay of the model, and by the time
 the loss is known to be NaN (the step's one transfer) its backward pass has freed every saved
 tensor. What is left is the structure of the loss's autograd graph, which the Monitor keeps
-by reference until the step ends (``_wiring/_heard.py``), and where that graph enters the
+by reference until the step ends (``_step/_heard.py``), and where that graph enters the
 model: the tape marks the node of each output copy it hands the caller (``OUTPUT_TAG``).
 
 On the NaN step only, :func:`loss_origin` walks the graph from the loss down to those

@@ -75,8 +75,8 @@ from ..._stats import (
     strided_index,
 )
 from ..._tree import map_tensors, tensors
-from .._nonfinite._trail import Flag
 from .._step._buffer import Host, StepBuffer, combine
+from .._step._trail import Flag
 
 __all__ = ["SLOTS", "CompiledProbes"]
 

@@ -14,10 +14,9 @@ import torch
 
 from ..._diagnose import Finding, Graph
 from ..._record import version
-from .._nonfinite._trail import NonFiniteTrail
-from .._options import split_scalars
-from .._wiring._heard import Heard
 from ._buffer import StepBuffer
+from ._heard import Heard
+from ._trail import NonFiniteTrail
 
 __all__ = ["StepState"]
 
@@ -54,7 +53,7 @@ class StepState:
         self.flagging = flagging  # a replay of the step, every watched module flagged
         self.buf = StepBuffer()
         self.trail = NonFiniteTrail()
-        self.heard = Heard()  # the loss, loss scale, clips (``_wiring/_heard.py``)
+        self.heard = Heard()  # the loss, loss scale, clips (``_step/_heard.py``)
         self.made: dict[str, set[int]] = {}  # sampled steps: outputs needing a gradient
         self.got_grad: set[str] = set()  # modules whose output gradient arrived
         self.returned: set[int] = set()  # outputs that a container returned
@@ -161,3 +160,36 @@ def _ready(value: torch.Tensor) -> bool:
         and not value.requires_grad
         and value.shape == (1,)
     )
+
+
+def split_scalars(scalars: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``step()``'s scalars, each checked: the tensors (detached, one ``float32`` element
+    each, for the step's one transfer) and the numbers."""
+    given: dict[str, torch.Tensor] = {}
+    plain: dict[str, float] = {}
+    for key, value in scalars.items():
+        if isinstance(value, torch.Tensor):
+            given[key] = _scalar_tensor(key, value)
+        else:
+            plain[key] = _scalar_number(key, value)
+    return given, plain
+
+
+def _scalar_tensor(key: str, value: torch.Tensor) -> torch.Tensor:
+    if value.numel() != 1:
+        raise ValueError(
+            f"step({key}=...): a scalar must be a number or a one-element tensor, got a tensor "
+            f"of shape {tuple(value.shape)}. Fix: reduce it first, e.g. {key}={key}.mean()."
+        )
+    return value.detach().float().reshape(1)
+
+
+def _scalar_number(key: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step({key}=...): a scalar must be a number or a one-element tensor, got "
+            f"{type(value).__name__} {value!r:.60}. Fix: pass the value itself, e.g. "
+            f"mon.step({key}=loss) with loss a tensor or a float."
+        ) from None

@@ -1,10 +1,10 @@
 """A Monitor's hooks and the parts that read what they gather, built and connected once.
 
 Every hook goes into one :class:`HookSet`: the probes' on the model's modules
-(``_probes/_set.py``, ``_wiring/_modules.py``), the optimizers' global step hooks (``_wiring/_update.py``) and
+(``_wiring/_probeset.py``, ``_wiring/_modules.py``), the optimizers' global step hooks (``_wiring/_update.py``) and
 the checks' (``_checks/``); a listener hears the script's calls into torch (``_wiring/_calls.py``,
-``_wiring/_heard.py``). Between them sit the non-finite decision (``_nonfinite/_decide.py``) and the step's one
-transfer (``_step/_transfer.py``). :class:`Wiring` builds them in the order they depend on each
+``_step/_heard.py``). Between them sit the non-finite decision (``_nonfinite/_decide.py``) and the step's one
+transfer (``_wiring/_transfer.py``). :class:`Wiring` builds them in the order they depend on each
 other, and removes every hook again.
 """
 
@@ -21,13 +21,13 @@ from ..._select import Where
 from .._checks import Checks, Context
 from .._nonfinite._decide import NonFiniteDecision
 from .._output import Output
-from .._probes._set import ProbeSet
 from .._step._dist import Collective, Entry
-from .._step._transfer import Transfer
+from .._step._heard import Ears
 from .._warnings import Warnings
 from ._calls import listen
-from ._heard import Ears
 from ._modules import CHECKS
+from ._probeset import ProbeSet
+from ._transfer import Transfer
 from ._update import Updates
 
 __all__ = ["Wiring"]

@@ -26,12 +26,12 @@ from ..._hooks import HookSet, alias_grad_outputs, in_backward_recompute
 from ..._tap import Tap
 from ..._tree import tensors
 from .._nonfinite._trace import Tape
-from .._nonfinite._trail import PASS_THROUGH
 from .._options import device_of
 from .._probes._compiled import CompiledProbes
 from .._probes._outputs import Activations, OutputGrads
 from .._probes._precision import Precision
 from .._step._state import StepState
+from .._step._trail import PASS_THROUGH
 
 __all__ = ["CHECKS", "ModuleHooks"]
 

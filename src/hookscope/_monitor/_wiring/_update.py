@@ -18,10 +18,10 @@ import torch
 from ..._hooks import HookSet
 from .._nonfinite._decide import NonFiniteDecision, nonfinite_error
 from .._output import Output
-from .._probes._set import ProbeSet
-from .._step._transfer import Transfer
 from ._modules import ModuleHooks
 from ._optim import OptimizerWatch
+from ._probeset import ProbeSet
+from ._transfer import Transfer
 
 __all__ = ["Updates"]
 

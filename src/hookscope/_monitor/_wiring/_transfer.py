@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from .._nonfinite._trace import Tape
-from .._probes._set import ProbeSet
+from .._step._buffer import Host
+from .._step._dist import Collective, Entry, RankInfo, digest
+from .._step._state import StepState
 from .._warnings import Warnings
-from ._buffer import Host
-from ._dist import Collective, Entry, RankInfo, digest
-from ._state import StepState
+from ._probeset import ProbeSet
 
 __all__ = ["Transfer"]
 

@@ -19,15 +19,15 @@ from ..._hooks import HookSet
 from ..._log import StepRecord
 from ..._stats import Sampler
 from .._options import device_of
+from .._probes._attention import Attention
+from .._probes._compiled import CompiledProbes
+from .._probes._outputs import Activations, OutputGrads
+from .._probes._params import BatchNorms, Params
+from .._probes._precision import Precision
+from .._probes._signals import SpikeWatch
 from .._step._buffer import Host, StepBuffer
 from .._step._dist import Entry
-from .._wiring._modules import MODULES, ModuleHooks
-from ._attention import Attention
-from ._compiled import CompiledProbes
-from ._outputs import Activations, OutputGrads
-from ._params import BatchNorms, Params
-from ._precision import Precision
-from ._signals import SpikeWatch
+from ._modules import MODULES, ModuleHooks
 
 __all__ = ["ProbeSet"]
 

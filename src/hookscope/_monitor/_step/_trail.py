@@ -18,9 +18,9 @@ import torch
 from ..._diagnose import Finding
 from ..._record import version
 from ..._stats import finite_flag, norms
-from .._step._buffer import Host, StepBuffer
-from .._step._dist import local
-from .._step._norms import Norms
+from ._buffer import Host, StepBuffer
+from ._dist import local
+from ._norms import Norms
 
 __all__ = ["PASS_THROUGH", "Flag", "NonFiniteTrail"]
 

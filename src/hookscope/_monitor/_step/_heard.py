@@ -19,7 +19,7 @@ from ..._diagnose import Finding
 if TYPE_CHECKING:
     from .._checks import Checks
     from .._probes._params import Params
-    from ._modules import ModuleHooks
+    from .._wiring._modules import ModuleHooks
 
 __all__ = ["Ears", "Heard"]
 
