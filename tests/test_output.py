@@ -14,6 +14,7 @@ import torch
 import hookscope as hs
 from hookscope._diagnose import Diagnosis, Finding, Thresholds
 from hookscope._monitor._output import Output
+from hookscope._monitor._step._dist import Alone
 from models import ResNet, images
 
 
@@ -33,7 +34,7 @@ def test_a_finding_is_kept_once_and_the_first_of_a_chosen_kind_is_recorded() -> 
         (),
         diagnosis_of(ResNet()),
         rank=None,
-        coll=None,
+        coll=Alone(),
         record_dir=Path("bundles"),
         record_on=("nonfinite",),
         bundle=lambda finding, before: bundles.append((finding, before)) or Path("b/0"),
@@ -59,7 +60,7 @@ def test_each_rank_of_an_unsynced_run_has_its_own_log_and_findings(tmp_path: Pat
         (),
         diagnosis_of(ResNet()),
         rank=1,
-        coll=None,
+        coll=Alone(),
         record_dir=None,
         record_on=(),
         bundle=lambda finding, before: Path(),

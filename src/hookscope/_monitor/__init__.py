@@ -226,7 +226,7 @@ class Monitor:
         check_materialized(model)  # a meta-device model holds no values to measure
         self._lifetime = Lifetime(model)  # one open Monitor per model (``_lifetime.py``)
         self.rank, world, self._coll = ranks(sync)
-        self._world = self._coll.world if self._coll is not None else 1  # combined ranks
+        self._world = self._coll.world  # combined ranks
         self.every, self.sample, self.on_nonfinite = every, sample, on_nonfinite
         self.modules: dict[str, nn.Module] = select(model, where if where is not None else is_leaf)
         self._explain = None if explain is None else check_explain(explain).bind(model)
@@ -266,9 +266,8 @@ class Monitor:
             self._out.open(log_dir)
             names = self._probes.precision.names if self._probes.precision is not None else []
             config = settings(every, sample, on_nonfinite, histograms, bins, self.thresholds, names)
-            if self._coll is not None:  # every rank built the same Monitor
-                bns = list(self._probes.bns.modules)
-                self._coll.handshake(modules=watched, params=shapes, bn=bns, settings=config)
+            bns = list(self._probes.bns.modules)  # every rank built the same Monitor
+            self._coll.handshake(modules=watched, params=shapes, bn=bns, settings=config)
         except BaseException:
             self.close()
             raise

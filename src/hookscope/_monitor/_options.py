@@ -14,7 +14,7 @@ from torch import nn
 
 from .._diagnose import Thresholds
 from .._errors import HookscopeError, did_you_mean
-from ._step._dist import Collective
+from ._step._dist import Alone, Collective
 
 __all__ = [
     "batch_list",
@@ -115,13 +115,13 @@ def settings(
     }
 
 
-def ranks(sync: bool | None) -> tuple[int | None, int, Collective | None]:
+def ranks(sync: bool | None) -> tuple[int | None, int, Alone | Collective]:
     """Under ``torch.distributed`` with several ranks, this process's rank (``None``: one
-    process), the number of ranks, and the collective that combines their figures (``None``:
+    process), the number of ranks, and the collective that combines their figures (``Alone``:
     one process, or ``sync=False``)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return None, 1, None
-    return dist.get_rank(), dist.get_world_size(), Collective() if sync is not False else None
+        return None, 1, Alone()
+    return dist.get_rank(), dist.get_world_size(), Collective() if sync is not False else Alone()
 
 
 def is_leaf(name: str, module: nn.Module) -> bool:

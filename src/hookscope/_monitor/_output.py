@@ -22,7 +22,7 @@ from .._diagnose import Diagnosis, Finding, mark_cleared
 from .._log import LOG_NAME, Cleared, Event, Header, run_number
 from .._sinks import JsonlSink, MemorySink, Sink, TensorBoardSink
 from .._version import __version__
-from ._step._dist import Collective
+from ._step._dist import Alone, Collective
 
 __all__ = ["Output"]
 
@@ -40,7 +40,7 @@ class Output:
         diagnosis: Diagnosis,
         *,
         rank: int | None,
-        coll: Collective | None,
+        coll: Alone | Collective,
         record_dir: Path | None,
         record_on: tuple[str, ...],
         bundle: Callable[[Finding, bool], Path],
@@ -51,6 +51,8 @@ class Output:
         self._diagnosis, self._rank, self._coll = diagnosis, rank, coll
         self._record_dir, self._record_on, self._bundle = record_dir, record_on, bundle
         self._recorded: set[str] = set()  # the kinds a bundle was written for
+        # one rank of several with its own log, findings and bundles (``sync=False``)
+        self._alone_rank = rank is not None and not coll.synced
         self.log_path: Path | None = None  # the JSON-lines log this process writes
 
     def open(self, log_dir: str | Path | None) -> None:
@@ -58,9 +60,9 @@ class Output:
         another run left (or writes) there is kept: this run's is ``hookscope-<n>.jsonl``,
         its TensorBoard events in ``tensorboard-<n>/`` (a run of their own in TensorBoard,
         whose steps would otherwise overwrite the first run's)."""
-        if self._coll is None and self._rank is not None and log_dir is not None:
+        if self._alone_rank and log_dir is not None:
             log_dir = Path(log_dir) / f"rank{self._rank}"
-        if log_dir is not None and (self._coll is None or self._coll.rank == 0):
+        if log_dir is not None and self._coll.rank in (None, 0):
             jsonl = JsonlSink(Path(log_dir) / LOG_NAME)
             self.sinks.append(jsonl)
             self.log_path = jsonl.path
@@ -79,8 +81,8 @@ class Output:
     ) -> None:
         """The log's first record: the model's class, the watched modules' classes, the
         parameters' shapes and the Monitor's settings, with the ranks'."""
-        settings = {**settings, "world": world, "sync": self._coll is not None}
-        if self._rank is not None and self._coll is None:
+        settings = {**settings, "world": world, "sync": self._coll.synced}
+        if self._alone_rank:
             settings["rank"] = self._rank
         header = Header(
             hookscope=__version__,
@@ -104,13 +106,13 @@ class Output:
     ) -> list[Finding]:
         """Keep and log the findings not seen before (``always``: all of them), record the
         first of each chosen kind; return them."""
-        if self._coll is None and self._rank is not None:  # sync=False: this rank's own
+        if self._alone_rank:  # sync=False: this rank's own
             found = [dataclasses.replace(f, rank=self._rank) for f in found]
         new = [f for f in found if self._diagnosis.first_time(f) or always]
         self.findings.extend(new)
         for finding in new:
             self.write({"type": "finding", **asdict(finding)})
-            here = self._coll is None or self._coll.rank == (finding.rank or 0)
+            here = self._coll.rank in (None, finding.rank or 0)
             wanted = here and self._record_dir is not None and finding.kind in self._record_on
             if wanted and finding.kind not in self._recorded:
                 self._recorded.add(finding.kind)

@@ -27,7 +27,7 @@ from ..._errors import NonFiniteError
 from ..._hooks import eager_calls
 from ..._tree import tensors
 from .._step._buffer import Host
-from .._step._dist import Collective, RankInfo
+from .._step._dist import Alone, Collective, RankInfo
 from .._step._state import StepState
 from ._loss import LossOrigin, loss_origin
 from ._poisoned import PoisonedWeights
@@ -83,7 +83,7 @@ class NonFiniteDecision:
         tape: Tape,
         diagnosis: Diagnosis,
         params: dict[str, nn.Parameter],
-        coll: Collective | None,
+        coll: Alone | Collective,
         *,
         sharded: bool,
         root_watched: bool,
@@ -102,7 +102,7 @@ class NonFiniteDecision:
         # finds its module and op; a module call costs next to nothing (a sampled step's
         # measures its sample, not every element). Where no replay can
         # (several ranks, or a replay that found nothing), every module output is flagged.
-        self.light = self.can_trace and coll is None and not root_watched
+        self.light = self.can_trace and not coll.synced and not root_watched
 
     def localised(
         self, state: StepState, host: Host, step: int, findings: list[Finding]
@@ -139,7 +139,7 @@ class NonFiniteDecision:
         every rank must take the same decision there (``agree``: ``on_nonfinite`` is
         ``"raise"`` or ``"skip"``), from a tiny collective, and otherwise none yet (found at
         ``step()``, from the step's one collective)."""
-        if self._coll is None:
+        if not self._coll.synced:
             return self.localised(state, early(state), step, findings)
         return self.agreed_now(state, step, findings) if agree else None
 

@@ -40,6 +40,7 @@ from ._buffer import Host, StepBuffer
 
 __all__ = [
     "FOUND_SCALARS",
+    "Alone",
     "Collective",
     "Entry",
     "RankInfo",
@@ -108,8 +109,22 @@ def sharded_contributes(p: torch.Tensor) -> bool | None:
     )
 
 
+class Alone:
+    """The collective of a Monitor that combines nothing with other ranks (one process, or
+    ``sync=False``): every step's figures are this process's own."""
+
+    synced = False
+    world = 1
+    rank: int | None = None  # no rank's figures are combined here
+
+    def handshake(self, **description: Any) -> None:
+        """Nothing to compare: no other rank."""
+
+
 class Collective:
     """Combines a step's buffer across the ranks of the default process group."""
+
+    synced = True
 
     def __init__(self) -> None:
         self.world = dist.get_world_size()

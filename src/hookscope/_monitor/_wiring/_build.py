@@ -21,7 +21,7 @@ from ..._select import Where
 from .._checks import Checks, Context
 from .._nonfinite._decide import NonFiniteDecision
 from .._output import Output
-from .._step._dist import Collective, Entry
+from .._step._dist import Alone, Collective, Entry
 from .._step._heard import Ears
 from .._warnings import Warnings
 from ._calls import listen
@@ -51,7 +51,7 @@ class Wiring:
         diagnosis: Diagnosis,
         out: Output,
         *,
-        coll: Collective | None,
+        coll: Alone | Collective,
         world: int,
         warnings: Warnings,
         on_nonfinite: str,
@@ -112,7 +112,7 @@ class Wiring:
                         paused=lambda: self.tape.paused or torch.compiler.is_compiling(),
                         skipping=lambda: self.module_hooks.now.nonfinite is not None and skip,
                         sampler=probes.sampler,
-                        rank=coll.rank if coll is not None else None,
+                        rank=coll.rank,
                         world=world,
                     ),
                     frozen=frozen,

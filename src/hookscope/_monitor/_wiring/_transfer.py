@@ -18,7 +18,7 @@ from torch import nn
 
 from .._nonfinite._trace import Tape
 from .._step._buffer import Host
-from .._step._dist import Collective, Entry, RankInfo, digest
+from .._step._dist import Alone, Collective, Entry, RankInfo, digest
 from .._step._state import StepState
 from .._warnings import Warnings
 from ._probeset import ProbeSet
@@ -38,7 +38,7 @@ class Transfer:
         tape: Tape,
         probes: ProbeSet,
         *,
-        coll: Collective | None,
+        coll: Alone | Collective,
         layout: Callable[[int], list[Entry]],
         bad_bits: Callable[[StepState], torch.Tensor],
         warnings: Warnings,
@@ -67,7 +67,7 @@ class Transfer:
     ) -> tuple[Host, RankInfo | None]:
         """The step's buffer on the host; under ``torch.distributed``, from the step's one
         collective, with what it told of every rank."""
-        if self._coll is None:
+        if not self._coll.synced:
             return self.to_host(state), None
         compiled = self._settle(state)  # not in the layout: the rank's own
         host, info = self._coll.exchange(
