@@ -13,6 +13,7 @@ from torch import nn
 import hookscope as hs
 from hookscope._diagnose import Finding
 from hookscope._monitor._nonfinite._decide import nonfinite_error
+from hookscope.testing import internals, step_state
 from models import ResNet, images
 
 
@@ -27,13 +28,13 @@ def test_a_nan_in_the_batch_is_named_by_a_flagged_replay_that_leaves_the_step_al
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # adopted: its check replays the step
     with hs.Monitor(model, every=None, optimizer=opt) as mon:
         passes(model, x)
-        state, decision = mon._now, mon._decision
+        state, decision = step_state(mon), internals(mon).decision
         assert state.light  # unsampled: only the model's edges were flagged
         flags = list(state.trail.flags)
         assert {f.module for f in flags if f.phase != "param"} == {""}
         finding = decision.localised(state, state.buf.to_host(), 0, [])
         # The replay's hooks wrote into a state of their own.
-        assert mon._now is state and state.trail.flags == flags
+        assert step_state(mon) is state and state.trail.flags == flags
     # The edges alone say "the model's inputs"; the flagged replay names the first module.
     assert (finding.module, finding.phase, finding.op) == ("conv1", "forward", None)
     assert "inputs of 'conv1' were already NaN/Inf" in finding.message
@@ -56,11 +57,11 @@ def test_a_nan_no_replay_reproduces_makes_every_module_flagged_from_then_on() ->
         named = []
         for _ in range(2):
             model(images())[:, 0].sum().backward()  # the loss never sees the NaN
-            light = mon._now.light
+            light = step_state(mon).light
             opt.zero_grad()  # no update: the check runs at step()
             found = [f for f in mon.step() if f.kind == "nonfinite"]
             named.append((light, found[0].module if found else None))
-        assert mon._decision.light is False and mon._now.light is False
+        assert internals(mon).decision.light is False and step_state(mon).light is False
     # Step 0: only the edges were flagged, and no replay finds the value: the model's output
     # is named. Step 1: every module is flagged, and the module is named.
     assert named == [(True, ""), (False, "fc")]
@@ -84,7 +85,7 @@ def test_a_nan_made_at_weights_restored_before_the_update_is_not_blamed_on_the_l
             model(images()).logsumexp(1).sum().backward()
             with torch.no_grad():
                 model.fc.weight.copy_(saved)
-            light = mon._now.light
+            light = step_state(mon).light
             opt.step()  # skipped: the weights stay finite
             found = [f for f in mon.step() if f.kind == "nonfinite"]
             named.append((light, [(f.module, f.phase, f.op) for f in found]))
@@ -105,8 +106,8 @@ def test_without_an_optimizer_every_module_is_checked() -> None:
                 for p in model.parameters():
                     p -= 1e-3 * p.grad
                     p.grad = None
-            assert not mon._now.light
-            assert {"conv1", "fc"} <= {f.module for f in mon._now.trail.flags}
+            assert not step_state(mon).light
+            assert {"conv1", "fc"} <= {f.module for f in step_state(mon).trail.flags}
             mon.step()
 
 
@@ -117,10 +118,12 @@ def test_the_weights_an_update_made_non_finite_are_found_after_it() -> None:
         passes(model, images())
         model.fc.weight.grad[0, 0] = math.nan
         opt.step()  # found before the update (on_nonfinite="log"), which still runs
-        state = mon._now
+        state = step_state(mon)
         assert (state.nonfinite.module, state.nonfinite.phase) == ("fc", "backward")
         assert state.early == [state.nonfinite] == mon.findings
-        found, poisoned = mon._decision.at_step(state, state.buf.to_host(), None, 0, [], None)
+        found, poisoned = internals(mon).decision.at_step(
+            state, state.buf.to_host(), None, 0, [], None
+        )
     assert found == []  # made before the update, and reported there
     assert (poisoned.module, poisoned.phase, poisoned.step) == ("fc", "update", 0)
     assert "1 of 32 parameters hold NaN/Inf ('fc.weight')" in poisoned.message

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
+from hookscope.testing import internals
 
 HERE = Path(__file__).parent
 
@@ -149,7 +150,7 @@ def test_a_loop_calling_the_models_parts_is_replayed_call_by_call(tmp_path) -> N
             opt.zero_grad()
             loss.backward()
             if step == 3:
-                calls = list(mon._tape.calls)
+                calls = internals(mon).taped_calls
             opt.step()
             mon.step()
     assert [c.module for c in calls] == [model.encoder, model.parts[0]]
@@ -173,5 +174,5 @@ def test_a_call_of_the_model_itself_is_still_one_call() -> None:
     model = build_parts()
     with hs.Monitor(model, every=None) as mon:
         model(torch.randn(4, 12)).sum().backward()
-        assert [c.module for c in mon._tape.calls] == [None]
+        assert [c.module for c in internals(mon).taped_calls] == [None]
         mon.step()
