@@ -16,10 +16,10 @@ from ._gradients import Gradients
 from ._graph import Graph, module_of
 from ._large_model import LogitGrowth, MassiveActivations
 from ._lifecycle import Lifecycle
-from ._precision import Precision
+from ._precision import PrecisionRules
 from ._thresholds import Thresholds
 from ._training import Training
-from ._updates import Updates
+from ._updates import UpdateRules
 
 __all__ = ["Diagnosis"]
 
@@ -43,10 +43,10 @@ class Diagnosis:
         self._lifecycle = Lifecycle(thresholds)
         self._training = Training(thresholds)
         self._gradients = Gradients(thresholds, shapes, types or {})
-        self._updates = Updates(thresholds, shapes, types)
+        self._updates = UpdateRules(thresholds, shapes, types)
         self._massive = MassiveActivations(thresholds)
         self._logits = LogitGrowth(thresholds)
-        self._precision = Precision(thresholds)
+        self._precision = PrecisionRules(thresholds)
 
     def is_new(self, finding: Finding) -> bool:
         return self._lifecycle.is_new(finding)

@@ -11,10 +11,10 @@ from ._finding import Finding
 from ._runs import Run
 from ._thresholds import Thresholds
 
-__all__ = ["Precision"]
+__all__ = ["PrecisionRules"]
 
 
-class Precision:
+class PrecisionRules:
     """The precision findings of each sampled step, from the fractions each dtype loses."""
 
     def __init__(self, thresholds: Thresholds) -> None:

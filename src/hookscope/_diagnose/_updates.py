@@ -17,10 +17,10 @@ from ._runs import Run
 from ._thresholds import Thresholds
 from ._training import Training
 
-__all__ = ["Updates"]
+__all__ = ["UpdateRules"]
 
 
-class Updates:
+class UpdateRules:
     """The update rules, and the runs of each parameter's side across sampled steps."""
 
     def __init__(

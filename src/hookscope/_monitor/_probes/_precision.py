@@ -24,7 +24,7 @@ from ..._stats import Sampler
 from .._step._buffer import Host, StepBuffer
 from .._step._dist import Entry
 
-__all__ = ["DTYPES", "Format", "Precision", "formats"]
+__all__ = ["DTYPES", "Format", "PrecisionProbe", "formats"]
 
 # The names ``precision=`` takes, and their torch dtypes (fp8: the "fn" E4M3 of OCP/NVIDIA,
 # finite only, and IEEE-like E5M2).
@@ -71,7 +71,7 @@ def formats(names: Iterable[str]) -> list[Format]:
     return out
 
 
-class Precision:
+class PrecisionProbe:
     """Per watched module, for its output and its output's gradient on sampled steps: the
     fraction of the sampled values each format would round to zero (they were not zero) and
     would not hold (beyond its largest finite value), ``amax`` (the largest magnitude, Inf

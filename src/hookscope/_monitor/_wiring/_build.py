@@ -28,7 +28,7 @@ from ._calls import listen
 from ._modules import CHECKS
 from ._probeset import ProbeSet
 from ._transfer import Transfer
-from ._update import Updates
+from ._update import UpdateHooks
 
 __all__ = ["Wiring"]
 
@@ -88,7 +88,7 @@ class Wiring:
                 bad_bits=self.decision.bad_bits,
                 warnings=warnings,
             )
-            self.updates = Updates(
+            self.updates = UpdateHooks(
                 self.hooks,
                 self.module_hooks,
                 probes,

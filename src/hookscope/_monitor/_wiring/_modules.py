@@ -29,7 +29,7 @@ from .._nonfinite._trace import Tape
 from .._options import device_of
 from .._probes._compiled import CompiledProbes
 from .._probes._outputs import Activations, OutputGrads
-from .._probes._precision import Precision
+from .._probes._precision import PrecisionProbe
 from .._step._state import StepState
 from .._step._trail import PASS_THROUGH
 
@@ -55,7 +55,7 @@ class ModuleHooks:
         *,
         acts: Activations,
         grads: OutputGrads,
-        precision: Precision | None,
+        precision: PrecisionProbe | None,
         compiled: CompiledProbes,
         keep_outputs: bool,
         on_first_call: Callable[[], None] | None,

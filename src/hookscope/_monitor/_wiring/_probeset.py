@@ -23,7 +23,7 @@ from .._probes._attention import Attention
 from .._probes._compiled import CompiledProbes
 from .._probes._outputs import Activations, OutputGrads
 from .._probes._params import BatchNorms, Params
-from .._probes._precision import Precision
+from .._probes._precision import PrecisionProbe
 from .._probes._signals import SpikeWatch
 from .._step._buffer import Host, StepBuffer
 from .._step._dist import Entry
@@ -60,7 +60,7 @@ class ProbeSet:
         self.compiled = CompiledProbes(  # what compiled graphs measure
             list(modules), sample, dead_at=dead_at, dead_min=dead_min, device=device_of(model)
         )
-        self.precision = Precision(precision, self.sampler, modules) if precision else None
+        self.precision = PrecisionProbe(precision, self.sampler, modules) if precision else None
         self.params = Params(model, self.sampler)
         self.spikes = SpikeWatch(self.params.params, thresholds)  # the rolling window
         self.bns = BatchNorms(model)

@@ -1,7 +1,7 @@
 """What a Monitor does around each optimizer update: read the final gradients, check them.
 
 The optimizers are found by torch's global step hooks (``_wiring/_optim.py``). Around each update of
-one that steps the model, :class:`Updates` reads the parameters' final gradients (their norms
+one that steps the model, :class:`UpdateHooks` reads the parameters' final gradients (their norms
 on sampled steps; on every step their non-finite flags, whose L2 norms also feed the rolling
 window of ``_probes/_signals.py``), takes the non-finite decision before the optimizer changes
 anything (``_nonfinite/_decide.py``), so that ``on_nonfinite="raise"`` raises and ``"skip"`` skips the
@@ -23,10 +23,10 @@ from ._optim import OptimizerWatch
 from ._probeset import ProbeSet
 from ._transfer import Transfer
 
-__all__ = ["Updates"]
+__all__ = ["UpdateHooks"]
 
 
-class Updates:
+class UpdateHooks:
     """The optimizers that step the model (``optim``) and what happens around their updates.
 
     ``hooks``: where the optimizer hooks go; ``module_hooks``: what writes the step's state;
