@@ -96,23 +96,27 @@ def gpt2(n_layer: int = 2, n_embd: int = 64) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+SIZES = {"gpt2-4x128": dict(n_layer=4, n_embd=128)}  # other GPT-2 sizes, the same task
+
+
 class Task:
-    """A model, its batches and its loss."""
+    """A model, its batches and its loss (``gpt2-4x128``: a GPT-2 of 4 layers x 128)."""
 
     def __init__(self, kind: str, seed: int, batch: int) -> None:
         torch.manual_seed(seed)
         self.kind = kind
         self.g = torch.Generator().manual_seed(seed)
-        self.batch = batch if kind != "gpt2" else batch // 4  # 16 sequences of 32 tokens
-        if kind == "gpt2":
-            self.model = gpt2()
+        self.gpt = kind.startswith("gpt2")
+        self.batch = batch if not self.gpt else batch // 4  # 16 sequences of 32 tokens
+        if self.gpt:
+            self.model = gpt2(**SIZES.get(kind, {}))
             self.perm = torch.randperm(100, generator=self.g)
         else:
             self.model = MLP() if kind == "mlp" else CNN()
             self.x, self.y = digits()
 
     def data(self, corrupt: bool = False):
-        if self.kind == "gpt2":
+        if self.gpt:
             ids = torch.empty(self.batch, 32, dtype=torch.long)
             ids[:, 0] = torch.randint(0, 100, (self.batch,), generator=self.g)
             for t in range(1, 32):
@@ -129,7 +133,7 @@ class Task:
         return self.x[i], y
 
     def loss(self, x, y) -> torch.Tensor:
-        if self.kind == "gpt2":
+        if self.gpt:
             return self.model(x, labels=y).loss
         return nn.functional.cross_entropy(self.model(x), y)
 
@@ -138,6 +142,7 @@ OPTIMIZERS: dict[str, Callable] = {
     "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr),
     "momentum": lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
     "adam": lambda p, lr: torch.optim.Adam(p, lr=lr),
+    "adam95": lambda p, lr: torch.optim.Adam(p, lr=lr, betas=(0.9, 0.95)),
     "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr, weight_decay=0.1),
     "rmsprop": lambda p, lr: torch.optim.RMSprop(p, lr=lr),
     "adagrad": lambda p, lr: torch.optim.Adagrad(p, lr=lr),
@@ -162,6 +167,8 @@ LR = {  # a learning rate that learns fast, per optimizer and model kind
     ("rmsprop", "gpt2"): 1e-3,
     ("adagrad", "gpt2"): 3e-2,
 }
+LR.update({("adam95", kind): LR[("adam", kind)] for kind in ("mlp", "cnn", "gpt2")})
+LR.update({(opt, "gpt2-4x128"): LR[(opt, "gpt2")] for opt in ("sgd", "adam", "adamw", "rmsprop")})
 
 
 def lr_factor(schedule: str, step: int, steps: int) -> float:
@@ -169,6 +176,11 @@ def lr_factor(schedule: str, step: int, steps: int) -> float:
         return min(1.0, (step + 1) / 100)
     if schedule == "cosine":
         return 0.5 * (1 + math.cos(math.pi * step / steps))
+    if schedule == "warmup_cosine":  # linear warm-up over a tenth of the run, then cosine
+        warm = max(1, steps // 10)
+        if step < warm:
+            return (step + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (step - warm) / (steps - warm)))
     return 1.0
 
 
@@ -406,6 +418,45 @@ def spike_cases() -> list[Case]:
                 step=80,
             )
         )
+    # runs the rule was not tuned on (2026-11-28, third stop): another GPT-2 size, RMSprop and
+    # Adam with betas (0.9, 0.95) on GPT-2, warm-up then cosine, a run still converging slowly
+    for name, variation, kwargs, at in (
+        ("spike-gpt2-4x128", "gpt2 4x128 adam, x7 at 60", dict(kind="gpt2-4x128"), 60),
+        ("spike-gpt2-rmsprop", "gpt2 rmsprop, x7 at 60", dict(optimizer="rmsprop"), 60),
+        (
+            "spike-gpt2-adam95",
+            "gpt2 adam betas (0.9, 0.95), x5 at 90",
+            dict(optimizer="adam95"),
+            90,
+        ),
+        (
+            "spike-mlp-adam95",
+            "mlp adam betas (0.9, 0.95), x5 at 90",
+            dict(kind="mlp", optimizer="adam95"),
+            90,
+        ),
+        (
+            "spike-gpt2-warmcos",
+            "gpt2 adamw warm-up + cosine, x7 at 130",
+            dict(optimizer="adamw", steps=200, schedule="warmup_cosine"),
+            130,
+        ),
+        (
+            "spike-mlp-warmcos",
+            "mlp adam warm-up + cosine, x5 at 130",
+            dict(kind="mlp", steps=200, schedule="warmup_cosine"),
+            130,
+        ),
+        (
+            "spike-gpt2-converging",
+            "gpt2 adam lr 1e-3 (still converging), x3 at 100",
+            dict(lr=1e-3),
+            100,
+        ),
+    ):
+        factor = int(variation.rsplit("x", 1)[1].split()[0])
+        run = dict(kind="gpt2", optimizer="adam", steps=120) | kwargs
+        cases.append(Case(name, "loss_spike", variation, run | dict(spike=(at, factor)), step=at))
     # a layer's gradients x30 before the update: the loss spikes a step later, that layer leads
     cases.append(
         Case(

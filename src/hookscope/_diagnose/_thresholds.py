@@ -97,6 +97,22 @@ class Thresholds:
             their largest jumps over the last five are 3.6x at 8 noise units (a noisy run) or
             30 units at 1.4x (a smooth descent), never both; an injected 7x spike on a
             falling run is 37 units.
+        spike_tail / spike_tail_halflife: The heavy tail of the run's own batches. Each
+            loss's *rise* above its short trend (the median of the last 5 losses carried
+            along the median step-to-step change of the last 10 in logarithms while the run
+            falls, so a fast descent is not a rise), in plain units, is kept for the last
+            ``spike_window`` steps, and the largest one also as a maximum that halves every
+            ``spike_tail_halflife`` steps (a converged run's rare hard batch, 0.005 -> 0.3,
+            recurs less often than once in 50 steps). A spike by the two rules above must
+            also rise at least ``spike_tail`` times that largest rise (1.25 times for the
+            long median's rule: a plateau's noise is its whole range); and, after 30 rises,
+            a loss ``spike_tail`` times the largest rise and ``spike_k`` robust widths of the
+            rises (1.4826 x their MAD) above its trend is a spike too (a x7 batch on a noisy
+            run that neither 3x its last five nor the long median's range can see). Small
+            GPT-2s near convergence have batches 10-30x their neighbours on healthy runs
+            (SGD with momentum, AdamW at 1e-2, Adam with betas (0.9, 0.95), 4 layers x 128):
+            in plain units their rises stay within twice the largest of the last steps, and
+            an injected x7 on an MLP mid-run is 2.5-3.5x it (``benchmarks/heldout.py``).
         spike_lead: A group's gradient norm, or the step-to-step change of its weight norm,
             that has been out of its own range (the same rule over its own window) for up to
             this many steps before a spike is said to lead it.
@@ -106,8 +122,9 @@ class Thresholds:
             the median magnitude (Sun et al. 2024, "Massive activations in large language
             models"); the largest of 4096 normal values is about 4x their RMS.
         massive_channel: ... or when a module's largest channel (its largest magnitude over
-            the sampled positions) is at least this multiple of the median channel's (a
-            whole outlier channel: it carries most of the RMS itself, so the ratio above
+            every position of a sampled step: exact, not sampled, so a channel large at a few
+            tokens counts) is at least this multiple of the median channel's (a whole
+            outlier channel: it carries most of the RMS itself, so the ratio above
             stays near sqrt(positions), ~25, even for a channel x1000; Dettmers et al.
             2022, "LLM.int8()": outlier features 20x and more break int8 quantisation). A
             channel of normal values differs from the median one by a few times: at most
@@ -164,6 +181,8 @@ class Thresholds:
     spike_jump: float = 3.0
     spike_jump_k: float = 12.0
     spike_recent: int = 5
+    spike_tail: float = 2.0
+    spike_tail_halflife: int = 200
     spike_lead: int = 20
     massive: float = 100.0
     massive_span: int = 20

@@ -42,12 +42,18 @@ from .._step._buffer import Host, StepBuffer
 from .._step._dist import local
 from .._step._norms import Norms
 
-__all__ = ["Rolling", "SkipList", "Spike", "SpikeWatch", "WeightNorms", "group_of"]
+__all__ = ["LossTail", "Rolling", "SkipList", "Spike", "SpikeWatch", "WeightNorms", "group_of"]
 
 # MAD x 1.4826 estimates the standard deviation of normal data.
 MAD_TO_STD = 1.4826
 WEIGHT_SAMPLE = 4096  # weights read per parameter and step by WeightNorms
 LEAD_GAP = 2  # a group's departure may end this many steps before the spike and still lead
+TREND_RECENT = 5  # LossTail: losses whose median is the trend's level
+TREND_SLOPE = 10  # ... and step-to-step changes whose median is its slope
+TREND_START = 8  # ... losses before the first trend
+TAIL_RANGE = 1.25  # the long median's rule: a spike rises this x the largest rise, at least
+TAIL_READY = 5  # rises kept before they judge a spike
+TREND_HISTORY = 30  # rises kept before a rise over the trend is a spike on its own
 
 
 def group_of(param: str) -> str:
@@ -93,6 +99,12 @@ class Rolling:
         last ``recent`` values, in units of ``max(jump_k * noise, log(jump))``; the larger score
         counts. A run still falling fast never rises above its long median, but a jump to
         several times its last values is out of range all the same."""
+        parts = self.parts(history, value)
+        return None if parts is None else max(p for p in parts if p is not None)
+
+    def parts(self, history: Iterable[float], value: float) -> tuple[float, float | None] | None:
+        """:meth:`score`'s two scores apart: over the long median, and over the recent one
+        (``None`` without ``jump`` or where values are not positive)."""
         past = [v for v in history if math.isfinite(v)]
         if len(past) < self.min_history or not math.isfinite(value):
             return None
@@ -110,8 +122,57 @@ class Rolling:
         score = (value - median) / max(self.k * noise, floor, 1e-12)
         if logs and self.jump is not None:
             recent = _median(past[-self.recent :])
-            score = max(score, (value - recent) / max(self.jump_k * noise, math.log(self.jump)))
-        return score
+            return score, (value - recent) / max(self.jump_k * noise, math.log(self.jump))
+        return score, None
+
+
+class LossTail:
+    """The loss's rises above its own short trend, and the largest of them: the heavy tail
+    of the run's own batches, against which a spike must stand out.
+
+    The trend: the median of the last ``TREND_RECENT`` log-losses carried forward along the
+    median step-to-step change of the last ``TREND_SLOPE`` (only while it falls: a fast
+    descent is not a rise, a rising loss does not excuse a spike). A rise: the loss minus
+    the trend in plain units. Plain units, not logarithms: near convergence a batch's loss
+    is a mean over examples of which a few hard ones carry it (GPT-2 at 0.01 with healthy
+    batches at 0.1-0.3), so its logarithm is heavy-tailed and its tail grows as the run
+    converges, where the plain rises of those batches stay about as large. The largest
+    rise: of the last ``window`` kept, and a maximum that halves every ``halflife`` steps
+    (a rare hard batch recurs less often than once per window). A few floats per step on
+    the host: the loss is already there (the step's one transfer brought it).
+    """
+
+    def __init__(self, window: int, halflife: int) -> None:
+        self._logs: deque[float] = deque(maxlen=TREND_SLOPE + 1)
+        self.rises: deque[float] = deque(maxlen=window)
+        self._decay = 0.5 ** (1.0 / max(halflife, 1))
+        self._long = 0.0  # the largest rise, halving every ``halflife`` steps
+
+    def trend(self) -> float | None:
+        """The loss the run's trend expects at this step (``None`` before 8 losses)."""
+        logs = list(self._logs)
+        if len(logs) < TREND_START:
+            return None
+        slope = min(0.0, _median([b - a for a, b in itertools.pairwise(logs)]))
+        return math.exp(_median(logs[-TREND_RECENT:]) + slope * (TREND_RECENT + 1) / 2)
+
+    def largest(self) -> float:
+        """The largest rise of the last steps (0 when none rose)."""
+        return max(0.0, self._long, max(self.rises, default=0.0))
+
+    def width(self) -> float:
+        """A robust standard deviation of the kept rises: 1.4826 x their MAD."""
+        rises = list(self.rises)
+        middle = _median(rises)
+        return MAD_TO_STD * _median([abs(r - middle) for r in rises])
+
+    def add(self, loss: float, rise: float | None) -> None:
+        """After the step is judged: its loss, and its rise (``None``: no trend yet)."""
+        if rise is not None:
+            self.rises.append(rise)
+            self._long = max(rise, self._long * self._decay)
+        if loss > 0 and math.isfinite(loss):
+            self._logs.append(math.log(loss))
 
 
 class WeightNorms:
@@ -192,6 +253,20 @@ class Spike:
 
 
 @dataclass(frozen=True)
+class _Verdict:
+    """Why a loss spikes: ``how`` (``"range"``: above the long median's range; ``"jump"``:
+    over the median of the last losses; ``"trend"``: over its trend, beyond the run's heavy
+    tail), by how many times the allowed excess, and the trend, rise and largest recent rise
+    it was judged against (``None`` before the tail has enough steps)."""
+
+    how: str
+    score: float
+    level: float | None
+    rise: float | None
+    top: float | None
+
+
+@dataclass(frozen=True)
 class _Row:
     """One step of the window."""
 
@@ -219,7 +294,6 @@ class SpikeWatch:
         self.n = thresholds.spike_window
         self.lead_max = thresholds.spike_lead
         t = thresholds
-        self.rule = Rolling(t.spike_k, t.spike_rel, t.spike_min_history)
         self.loss_rule = Rolling(
             t.spike_k,
             t.spike_rel,
@@ -228,6 +302,8 @@ class SpikeWatch:
             jump_k=t.spike_jump_k,
             recent=t.spike_recent,
         )
+        self.tail = LossTail(t.spike_window, t.spike_tail_halflife)
+        self.tail_k, self.k, self.rel = t.spike_tail, t.spike_k, t.spike_rel
         self._rows: deque[_Row] = deque(maxlen=self.n + self.lead_max + 1)
         self._losses: deque[float] = deque(maxlen=self.n)
         # this step's readings of gradient norms: (first flag, its parameters' groups)
@@ -302,14 +378,54 @@ class SpikeWatch:
         grads = {group: math.sqrt(square) for group, square in squares.items()}
         self._blocks, self._read = [], None
         loss = scalars.get("loss")
-        calm = loss is None or self._calm(loss)
-        score = None if calm else self.loss_rule.score(self._losses, loss)
+        verdict = None if loss is None else self._judge(loss)
         self._rows.append(_Row(step, dict(scalars), grads, self._weights.read(host)))
         if loss is not None:
             self._losses.append(loss)
-        spiking = score is not None and score > 1.0
+        spiking = verdict is not None
         started, self._spiking = spiking and not self._spiking, spiking
-        return self._spike(step, loss, score) if started else None
+        return self._spike(step, loss, verdict) if started else None
+
+    def _judge(self, loss: float) -> _Verdict | None:
+        """Whether ``loss`` spikes, and by which rule; its rise goes to the tail either way
+        (a spike's clipped to the bar it passed: one spike does not hide the next)."""
+        tail = self.tail
+        level = tail.trend()
+        rise = loss - level if level is not None and loss > 0 and math.isfinite(loss) else None
+        if rise is None or len(tail.rises) < TAIL_READY:  # too early for the tail
+            verdict = None
+            if not self._calm(loss):
+                parts = self.loss_rule.parts(self._losses, loss)
+                if parts is not None and max(p for p in parts if p is not None) > 1.0:
+                    ranged, jumped = parts
+                    how = "range" if ranged > 1.0 else "jump"
+                    verdict = _Verdict(how, max(ranged, jumped or 0.0), level, rise, None)
+            tail.add(loss, rise)
+            return verdict
+        top = tail.largest()
+        verdict = None
+        if rise >= min(TAIL_RANGE, self.tail_k) * top:  # else surely within the tail
+            verdict = self._over_tail(loss, rise, level, top)
+        tail.add(loss, rise if verdict is None else min(rise, self.tail_k * top))
+        return verdict
+
+    def _over_tail(self, loss: float, rise: float, level: float, top: float) -> _Verdict | None:
+        """A rise at least ``TAIL_RANGE`` x the largest of the run's recent ones that is
+        above the long median's range, or ``spike_tail`` x it that jumps over the last
+        losses (:class:`Rolling`) or stands ``spike_k`` robust widths above the trend."""
+        parts = self.loss_rule.parts(self._losses, loss)
+        ranged, jumped = parts if parts is not None else (None, None)
+        if ranged is not None and ranged > 1.0 and rise >= TAIL_RANGE * top:
+            return _Verdict("range", ranged, level, rise, top)
+        if rise < self.tail_k * top:
+            return None
+        if jumped is not None and jumped > 1.0:
+            return _Verdict("jump", jumped, level, rise, top)
+        if len(self.tail.rises) >= TREND_HISTORY and loss >= (1.0 + self.rel) * level:
+            bar = max(self.k * self.tail.width(), self.tail_k * top, 1e-12)
+            if rise >= bar:
+                return _Verdict("trend", rise / bar, level, rise, top)
+        return None
 
     def _calm(self, loss: float) -> bool:
         """Whether ``loss`` is surely in range, by bounds cheaper than the rule's score (a
@@ -333,7 +449,8 @@ class SpikeWatch:
         recent = sorted(past[-rule.recent :])
         return loss <= recent[(len(recent) - 1) // 2] * rule.jump * (1.0 - 1e-9)
 
-    def _spike(self, step: int, loss: float, score: float) -> Spike:
+    def _spike(self, step: int, loss: float, verdict: _Verdict) -> Spike:
+        score = verdict.score
         rows = list(self._rows)
         before = [v for v in list(self._losses)[:-1] if math.isfinite(v)]
         median = _median(before)
@@ -353,18 +470,24 @@ class SpikeWatch:
                     else "at the same step (the batch itself, or the update just before it)"
                 )
                 where = f"the {what} of {module!r} left its own rolling range first, {when}"
-        ranged = self.rule.score(before, loss)
-        if ranged is not None and ranged > 1.0:
+        if verdict.how == "range":
             against = (
                 f"above its rolling range (median {median:.4g} of the last {len(before)} steps"
             )
-        else:  # the jump over the last losses: a run still falling fast
+        else:  # over the last losses or the trend: a run still falling fast, or a noisy one
             recent = _median(before[-self.loss_rule.recent :])
             against = (
                 f"{loss / recent:.3g}x the median of the {min(len(before), self.loss_rule.recent)}"
-                f" losses before it ({recent:.4g}) while the loss was still falling (median "
-                f"{median:.4g} of the last {len(before)} steps"
+                f" losses before it ({recent:.4g})"
             )
+            if verdict.level is not None:
+                against += f", {loss / verdict.level:.3g}x its trend ({verdict.level:.4g})"
+            if verdict.top:
+                against += (
+                    f", a rise {verdict.rise / verdict.top:.3g}x the largest of its recent "
+                    "batches over their trend"
+                )
+            against += f" (median {median:.4g} of the last {len(before)} steps"
         message = (
             f"the loss jumped to {loss:.4g}, {against}; {score:.1f}x the allowed excess) at "
             f"step {step}; {where}{rose}"
