@@ -3,6 +3,7 @@ healthy twin (same seed, no fault), and healthy runs with unusual loops (issue 3
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -92,6 +93,37 @@ def test_a_x7_spike_mid_run_is_found_at_its_step_and_the_twin_is_silent(kind, op
     assert faulty.losses[90] == pytest.approx(7 * twin.losses[90], rel=1e-4)  # same batch
     assert [f.step for f in kinds(faulty, "loss_spike")] == [90]
     assert twin.findings == []
+
+
+def test_a_x7_spike_on_a_noisy_run_is_found_where_neither_median_sees_it() -> None:
+    # AdamW (missed before 2026-11-28's third stop): the loss at ~0.1-0.3,
+    # healthy batches up to 3x their neighbours; x7 is within 12 noise units of the median of
+    # the last five and under the long median's range, but ~3x the largest rise of the run's
+    # own batches over their trend
+    run = dict(kind="mlp", optimizer="adamw", steps=95)
+    faulty = heldout.train(**run, spike=(90, 7.0))
+    twin = heldout.train(**run)
+    assert faulty.losses[90] == pytest.approx(7 * twin.losses[90], rel=1e-4)  # same batch
+    before = twin.losses[40:90]
+    assert max(b / a for a, b in itertools.pairwise(before)) > 2  # a noisy run
+    (spike,) = kinds(faulty, "loss_spike")
+    assert spike.step == 90 and "the largest of its recent batches" in spike.message
+    assert twin.findings == []
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "lr", "steps"), [("momentum", None, 70), ("adamw", 1e-2, 60)]
+)
+def test_a_healthy_gpt2_whose_batches_jump_tenfold_has_no_spike(optimizer, lr, steps) -> None:
+    # GPT-2 near convergence (fired loss_spike at 46-61 before 2026-11-28's third stop): most
+    # batches ~0.02, a few with hard tokens at 0.1-0.2: 5-10x their neighbours, in steps
+    run = heldout.train(kind="gpt2", optimizer=optimizer, lr=lr, steps=steps)
+    losses = run.losses
+    assert losses[-1] < 0.05 * losses[0]  # it learns
+    jumps = [losses[t] / sorted(losses[t - 5 : t])[2] for t in range(40, steps)]
+    assert max(jumps) > 5  # heavy-tailed batches, not a spike
+    assert kinds(run, "loss_spike") == []
+    assert run.findings == []
 
 
 def test_a_corrupted_batch_is_a_spike_and_its_twin_is_silent() -> None:

@@ -20,6 +20,7 @@ from hookscope._log import Window
 from hookscope._monitor._probes._signals import (
     MAD_TO_STD,
     WEIGHT_SAMPLE,
+    LossTail,
     Rolling,
     WeightNorms,
     group_of,
@@ -56,6 +57,22 @@ def test_the_rolling_range_is_the_median_plus_k_noise_units_in_logs() -> None:
     # a loss that can be negative is judged in plain units
     shifted = [v - 2.5 for v in history]
     assert rule.score(shifted, statistics.median(shifted)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_loss_trend_follows_a_fast_descent_and_the_largest_rise_halves() -> None:
+    tail = LossTail(window=50, halflife=200)
+    losses = [4.0 * 0.8**i for i in range(30)]  # falling by a fifth per step
+    for loss in losses[:20]:
+        level = tail.trend()
+        tail.add(loss, None if level is None else loss - level)
+    # the median of the last five carried along the descent: the next loss, not 1.6x above it
+    assert tail.trend() == pytest.approx(losses[20])
+    assert tail.largest() == pytest.approx(0.0, abs=1e-9)
+    tail.add(1.0, 1.0)  # one hard batch
+    for _ in range(200):
+        tail.add(1.0, 0.0)
+    assert max(tail.rises) == 0.0  # gone from the window of 50
+    assert tail.largest() == pytest.approx(0.5)  # and remembered, halved after 200 steps
 
 
 def mlp() -> nn.Module:
