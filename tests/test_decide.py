@@ -30,9 +30,10 @@ def test_a_nan_in_the_batch_is_named_by_a_flagged_replay_that_leaves_the_step_al
         passes(model, x)
         state, decision = step_state(mon), internals(mon).decision
         assert state.light  # unsampled: only the model's edges were flagged
+        host = state.buf.to_host()  # (the output's gradient is flagged as it moves)
         flags = list(state.trail.flags)
         assert {f.module for f in flags if f.phase != "param"} == {""}
-        finding = decision.localised(state, state.buf.to_host(), 0, [])
+        finding = decision.localised(state, host, 0, [])
         # The replay's hooks wrote into a state of their own.
         assert step_state(mon) is state and state.trail.flags == flags
     # The edges alone say "the model's inputs"; the flagged replay names the first module.

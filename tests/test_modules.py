@@ -37,13 +37,15 @@ def test_an_unsampled_step_flags_only_the_models_edges_and_counts_their_gradient
         hooks = internals(mon).module_hooks
         model(images()).square().mean().backward()
         state = step_state(mon)
+        assert hooks.grad_calls == 1  # the one gradient that reached the model's output
+        # that gradient is flagged with the parameters' before the update, in the same
+        # fused norm (no hook of its own on the output)
+        assert [f.phase for f in state.trail.flags] == ["input", "forward"]
+        opt.step()
     assert state.light and not state.made and not state.got_grad
-    assert {(f.module, f.phase) for f in state.trail.flags if f.phase != "param"} == {
-        ("", "input"),
-        ("", "forward"),
-        ("", "backward"),
-    }
-    assert hooks.grad_calls == 1  # the one gradient that reached the model's output
+    phases = [(f.module, f.phase) for f in state.trail.flags]
+    assert phases[:3] == [("", "input"), ("", "forward"), ("", "backward")]
+    assert state.trail.flags[2].edge and {p for _, p in phases[3:]} == {"param"}
 
 
 def test_a_sampled_step_after_an_optimizer_is_adopted_reads_only_samples_of_modules() -> None:
@@ -57,9 +59,9 @@ def test_a_sampled_step_after_an_optimizer_is_adopted_reads_only_samples_of_modu
         for _ in range(2):
             model(images()).square().mean().backward()
             state = step_state(mon)
+            opt.step()  # (the gradient at the model's output is flagged before it)
             flags = [f for f in state.trail.flags if f.phase not in ("param", "input")]
             checked.append({(f.module, f.phase) for f in flags if f.checked})
-            opt.step()
             opt.zero_grad()
             mon.step()
     before, after = checked

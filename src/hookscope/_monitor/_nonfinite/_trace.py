@@ -116,6 +116,12 @@ class Tape:
         # children's hooks ("tape" group of the HookSet) must then stay on
         self.children_called = False
         self.calls: list[Call] = []
+        # gradients that reached a kept call's outputs from outside, ever (did a backward
+        # pass reach the model?)
+        self.grads_heard = 0
+        # The kept call whose outputs the caller got as aliases, as ``on_top_call`` hears of
+        # it (``None``: that call was not kept, or handed its outputs as they are)
+        self.aliased: Call | None = None
         self.paused = False
         self.grad_enabled: bool | None = None  # autograd's mode when the model was called
         # True while an outermost call that the tape keeps runs: a replay of the step can
@@ -212,6 +218,7 @@ class Tape:
             self.on_outer(False, kept)
         if self.paused or in_backward_recompute():
             return None
+        self.aliased = None
         aliased = self._end(output) if kept else None
         if self.on_top_call is not None:
             self.on_top_call(name, module, args, kwargs, output if aliased is None else aliased)
@@ -251,6 +258,7 @@ class Tape:
         originals = tensors(output)
         output = map_tensors(alias, output)
         self._keep(call, originals)
+        self.aliased = call
         return output
 
     def _keep(self, call: Call, outs: list[torch.Tensor]) -> None:
@@ -258,8 +266,8 @@ class Tape:
             call.outputs = [t.detach() for t in outs]
             call.versions = [None if t.is_inference() else t._version for t in outs]
 
-    @staticmethod
-    def _grad(call: Call, i: int, grad: torch.Tensor) -> None:
+    def _grad(self, call: Call, i: int, grad: torch.Tensor) -> None:
+        self.grads_heard += 1
         call.grads[i] = grad if i not in call.grads else call.grads[i] + grad
 
     def reset(self) -> None:

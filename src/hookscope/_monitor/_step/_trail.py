@@ -12,6 +12,7 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -65,6 +66,8 @@ class Flag:
     param: str | None = None  # for "param" flags: the parameter whose gradient it is
     edge: bool = False  # at an outermost call into the model (an unsampled step's flags)
     checked: bool = True
+    # the value is the tensor's largest element (``_nan_flag``): bad only where it is NaN
+    nan_only: bool = False
 
 
 class NonFiniteTrail:
@@ -82,6 +85,12 @@ class NonFiniteTrail:
         self._params: dict[str, torch.nn.Parameter] = {}  # by name, for their gradients' flags
         # (first, count) of the flags put in the buffer as one block (``StepBuffer.set_block``)
         self.blocks: list[tuple[int, int]] = []
+        # The outermost calls whose outputs' gradients are flagged late, read where the tape
+        # keeps them (no hook of their own; with the parameters' gradients, in one fused
+        # norm): (the call's name, its ``Call``); per (call, output) the gradient flagged
+        self._later: list[tuple[str, Any]] = []
+        self._flagged: dict[tuple[int, int], torch.Tensor] = {}
+        self._late_grads: dict[int, torch.Tensor] = {}  # flag index -> the gradient it flags
 
     def forward(
         self,
@@ -113,9 +122,11 @@ class NonFiniteTrail:
                 if not check:  # not flagged; an output that is this input is still an alias
                     passed[id(t)] = version(t)
                     continue
-                index = self._add(
-                    buf, Flag("input", name), _nan_flag(t) if nan_inputs else finite_flag(t)
-                )
+                if nan_inputs:
+                    flag, value = Flag("input", name, nan_only=True), _nan_flag(t)
+                else:
+                    flag, value = Flag("input", name), finite_flag(t)
+                index = self._add(buf, flag, value)
                 known = self._made_by[id(t)] = (index, version(t), weakref.ref(t))
             if known is not None:
                 passed[id(t)] = known[1]
@@ -128,7 +139,9 @@ class NonFiniteTrail:
         if not new:
             return []
         if check:
-            total = buf.value(("flag", fed[0])) if pass_through and len(fed) == 1 else None
+            total = None
+            if pass_through and len(fed) == 1 and not self.flags[fed[0]].nan_only:
+                total = buf.value(("flag", fed[0]))
             if total is None:
                 flags = [finite_flag(t) for t in new]
                 total = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
@@ -150,15 +163,54 @@ class NonFiniteTrail:
     ) -> None:
         self._add(buf, Flag("backward", name, edge=edge), finite_flag(grad))
 
+    def backward_later(self, buf: StepBuffer, name: str, call: Any) -> None:
+        """The gradients that reach the outputs of ``call`` (an outermost call the tape
+        keeps: ``Call.grads``) are flagged as the model's edges (``Flag.edge``) when the step's
+        gradients are read (:meth:`parameters`, fused with theirs), or else before the
+        buffer's next transfer (``StepBuffer.keep``: it settles first): no hook of their own."""
+        self._later.append((name, call))
+        buf.keep(self._settle_later, None)
+
+    def _settle_later(self, buf: StepBuffer, items: list[Any]) -> None:
+        self.flush(buf)
+
+    def _pending(self) -> tuple[list[Flag], list[torch.Tensor]]:
+        """The flags and gradients of :meth:`backward_later` calls not flagged yet (a
+        gradient summed again since, by a second backward pass, is flagged again)."""
+        flags: list[Flag] = []
+        grads: list[torch.Tensor] = []
+        for name, call in self._later:
+            for i, grad in call.grads.items():
+                key = (id(call), i)
+                if self._flagged.get(key) is not grad:
+                    self._flagged[key] = grad
+                    flags.append(Flag("backward", name, edge=True))
+                    grads.append(grad)
+        return flags, grads
+
+    def flush(self, buf: StepBuffer) -> None:
+        """Flag what :meth:`backward_later` left to flag (before a transfer)."""
+        if self._later:
+            flags, grads = self._pending()
+            if grads:
+                self._by_norms(buf, flags, [g.detach() for g in grads], len(flags))
+
     def parameters(
-        self, buf: StepBuffer, params: dict, names: list[str]
-    ) -> tuple[list[str], list[torch.Tensor]]:
+        self,
+        buf: StepBuffer,
+        params: dict,
+        names: list[str],
+        plist: list[torch.nn.Parameter] | None = None,
+    ) -> tuple[int, list[str], torch.Tensor | list[torch.Tensor]]:
         """Flag the gradients an optimizer is about to apply, by their L2 norms (one fused
         kernel; torch's L2 norm reads 3x faster than its L1 on a CPU): a NaN/Inf can arise in
-        a weight's gradient alone (an overflowing recurrent matmul). Returns the names of
-        those that have a gradient and their norms (one vector where they are on one device
-        and of one dtype, in the buffer as one block: ``StepBuffer.set_block``; else a list)."""
-        grads = [params[n].grad for n in names]
+        a weight's gradient alone (an overflowing recurrent matmul). The gradients at the
+        model's edges left to flag (:meth:`backward_later`) go first, in the same kernel.
+        ``plist``: the parameters ``names``, where the caller has them. Returns the index of
+        the first parameter's flag, the names of those that have a gradient and their norms
+        (one vector where they are on one device and of one dtype, in the buffer as one
+        block: ``StepBuffer.set_block``; else a list)."""
+        grads = [p.grad for p in (plist or [params[n] for n in names])]
         if any(g is None for g in grads):
             names = [n for n, g in zip(names, grads, strict=True) if g is not None]
             grads = [g for g in grads if g is not None]
@@ -166,26 +218,62 @@ class NonFiniteTrail:
         if not all(type(g) is torch.Tensor for g in grads):
             grads = [local(g) for g in grads]
         flags = _param_flags(tuple(names))
+        edge_flags: list[Flag] = []
+        if self._later:
+            edge_flags, edge_grads = self._pending()
+            if edge_grads and not _fusable(edge_grads, grads):
+                self._by_norms(buf, edge_flags, [g.detach() for g in edge_grads], 0)
+                edge_flags = []
+            elif edge_grads:
+                grads = [g.detach() for g in edge_grads] + grads
         start = len(self.flags)
+        self.flags.extend(edge_flags)
         self.flags.extend(flags)
+        values = self._by_norms(buf, None, grads, len(edge_flags))
+        first = start + len(edge_flags)
+        if edge_flags:
+            values = values[len(edge_flags) :]
+        return first, names, values
+
+    def _by_norms(
+        self, buf: StepBuffer, flags: list[Flag] | None, grads: list[torch.Tensor], late: int
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """Put the L2 norms of ``grads`` in the buffer as the flags from ``len(self.flags)
+        - len(grads)`` on (``flags``: appended first); the first ``late`` are gradients of
+        :meth:`backward_later`, kept for :meth:`_overflowed`, in a block of their own (the
+        parameters' block stays whole for its readers). Returns the norms."""
+        if flags is not None:
+            self.flags.extend(flags)
+        start = len(self.flags) - len(grads)
+        for k in range(late):
+            self._late_grads[start + k] = grads[k]
         try:
             stacked = _GRAD_NORMS(grads)
         except RuntimeError:  # on several devices
             stacked = None
-        if stacked is not None:
-            buf.set_block("flag", start, stacked)
-            self.blocks.append((start, len(flags)))
-            return names, stacked
-        values = norms(grads, 2)
-        buf.set_many([("flag", i) for i in range(start, start + len(flags))], values)
-        return names, values
+        if stacked is None:
+            values = norms(grads, 2)
+            buf.set_many([("flag", i) for i in range(start, start + len(grads))], values)
+            return values
+        parts = [(start, stacked)]
+        if 0 < late < len(grads):
+            parts = [(start, stacked[:late]), (start + late, stacked[late:])]
+        for first, part in parts:
+            buf.set_block("flag", first, part)
+            self.blocks.append((first, part.numel()))
+        return stacked
 
-    def _overflowed(self, flag: Flag, value: float) -> bool:
+    def _overflowed(self, index: int, flag: Flag, value: float) -> bool:
         """Whether an infinite L2 norm of a gradient is only its float32 sum of squares
         overflowing (an element past 1.8e19) while every element is finite: asked of the
         gradient itself, on the rare step where a norm is infinite."""
+        if value != math.inf:
+            return False
+        late = self._late_grads.get(index)
+        if late is not None:
+            return finite_flag(late).item() == 0
         param = self._params.get(flag.param) if flag.phase == "param" else None
-        if param is None or param.grad is None or value != math.inf:
+        if param is None or param.grad is None:
             return False
         return finite_flag(local(param.grad)).item() == 0
 
@@ -221,8 +309,8 @@ class NonFiniteTrail:
             return None  # overflow to Inf: then each flag is looked at)
         bad = [
             f.checked
-            and not math.isfinite(host[("flag", i)][0])
-            and not self._overflowed(f, host[("flag", i)][0])
+            and not math.isfinite(v := host[("flag", i)][0])
+            and (math.isnan(v) if f.nan_only else not self._overflowed(i, f, v))
             for i, f in enumerate(self.flags)
         ]
         if not any(bad):
@@ -320,9 +408,27 @@ def _param_flags(names: tuple[str, ...]) -> tuple[Flag, ...]:
     return tuple(Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n) for n in names)
 
 
+def _fusable(extra: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+    """Whether ``extra`` can join ``grads`` in one fused norm: plain tensors of the
+    first gradient's device and dtype."""
+    if not grads:
+        return True
+    first = grads[0]
+    return all(
+        type(g) is torch.Tensor and g.dtype == first.dtype and g.device == first.device
+        for g in extra
+    )
+
+
 def _nan_flag(t: torch.Tensor) -> torch.Tensor:
-    """NaN where ``t`` holds a NaN, else 0 (infinities pass)."""
-    return torch.where(torch.isnan(t.detach()).any(), math.nan, 0.0)
+    """The largest element of ``t`` (float32): NaN where ``t`` holds a NaN (``amax``
+    propagates it), else a number or an infinity, which pass (``Flag.nan_only``). One
+    reduction: a NaN test and ``any`` are two boolean passes, each slower on a CPU."""
+    t = t.detach()
+    if t.numel() == 0:
+        return torch.zeros((), device=t.device)
+    peak = torch.amax(t)
+    return peak if peak.dtype is torch.float32 else peak.float()
 
 
 def _who(module: str) -> str:

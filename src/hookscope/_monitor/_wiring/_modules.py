@@ -72,7 +72,7 @@ class ModuleHooks:
         self._transient = False  # the modules' hooks are on for one outermost call
         # What the hooks write this step; the Monitor sets the first step's before any call.
         self._now = StepState(sampled=False, light=False)
-        self.grad_calls = 0  # output gradients seen: did a backward pass reach the model?
+        self._grad_calls = 0  # output gradients seen by the hooks here
         self.tape = Tape(
             hooks,
             model,
@@ -88,6 +88,12 @@ class ModuleHooks:
             for name, module in model.named_modules():
                 if name not in modules:
                     hooks.forward(module, self._on_container)
+
+    @property
+    def grad_calls(self) -> int:
+        """Output gradients seen, ever (the tape's at the outermost calls too): did a
+        backward pass reach the model?"""
+        return self._grad_calls + self.tape.grads_heard
 
     # -- the gate: which hooks are on the modules this step ----------------------------------
     @property
@@ -264,6 +270,12 @@ class ModuleHooks:
         # hold -inf on purpose.
         outs = s.trail.forward(s.buf, name, tensors(args), outs, nan_inputs=True)
         if outs and torch.is_grad_enabled():
+            kept = self.tape.aliased
+            if kept is not None and s.light and not self._compiled_seen:
+                # the gradients reaching the aliases the tape handed the caller: flagged
+                # from the tape's record, with the parameters' (no hook of their own)
+                s.trail.backward_later(s.buf, name, kept)
+                return
             for t in outs:
                 if t.requires_grad:
                     self._hooks.tensor(t, functools.partial(self._on_edge_grad, name))
@@ -277,10 +289,10 @@ class ModuleHooks:
                 self._hooks.tensor(t, self._count_grad)
 
     def _count_grad(self, grad: torch.Tensor) -> None:
-        self.grad_calls += 1
+        self._grad_calls += 1
 
     def _on_edge_grad(self, name: str, grad: torch.Tensor) -> None:
-        self.grad_calls += 1
+        self._grad_calls += 1
         s = self.now
         s.trail.backward(s.buf, name, grad, edge=True)
 
@@ -300,7 +312,7 @@ class ModuleHooks:
                 self._hooks.tensor(t, functools.partial(self._on_grad, name))
 
     def _on_grad(self, name: str, grad: torch.Tensor) -> None:
-        self.grad_calls += 1
+        self._grad_calls += 1
         s = self.now
         s.got_grad.add(name)
         if not s.light:  # else the edges' flags and the parameters' stand for it

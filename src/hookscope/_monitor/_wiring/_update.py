@@ -47,6 +47,7 @@ class UpdateHooks:
         self._hooks, self._probes, self._decision = module_hooks, probes, decision
         self._transfer, self._out = transfer, out
         self._on_nonfinite, self._step = on_nonfinite, step
+        self._plists: dict[int, tuple[list[str], list[torch.nn.Parameter]]] = {}
         self.optim = OptimizerWatch(
             hooks,
             probes.params.owned,
@@ -75,8 +76,8 @@ class UpdateHooks:
         """The final gradients of the parameters ``names``: their norms on a sampled step,
         and on every step their non-finite flags and the rolling window's figures."""
         s, probes = self._hooks.now, self._probes
-        first = len(s.trail.flags)
-        read, values = s.trail.parameters(s.buf, probes.params.params, names)
+        params = probes.params.params
+        first, read, values = s.trail.parameters(s.buf, params, names, self._plist(names))
         if s.sampled:  # the flags' L2 norms are the gradient norms: no second pass
             if isinstance(values, torch.Tensor):
                 values = values.unbind(0)
@@ -84,6 +85,19 @@ class UpdateHooks:
             probes.params.read_grads(s.buf, names, stepped=optimizer is not None, known=found)
         probes.spikes.flags(first, read)  # their L2 norms feed the rolling window too
         probes.spikes.weights(s.buf)
+
+    def _plist(self, names: list[str]) -> list[torch.nn.Parameter]:
+        """The parameters ``names``, kept per list (an optimizer's names are one list while
+        its groups stay: ``OptimizerWatch``)."""
+        found = self._plists.get(id(names))
+        if found is not None and found[0] is names:
+            return found[1]
+        if len(self._plists) > 16:
+            self._plists.clear()
+        params = self._probes.params.params
+        plist = [params[n] for n in names]
+        self._plists[id(names)] = (names, plist)
+        return plist
 
     def check(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
         """The non-finite check, before the optimizer changes anything. True: skip it."""
