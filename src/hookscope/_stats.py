@@ -19,6 +19,7 @@ __all__ = [
     "Plan",
     "Rows",
     "Sampler",
+    "channel_absmax",
     "channel_dim",
     "dead_fraction",
     "finite_flag",
@@ -49,12 +50,28 @@ SAT_MARGIN = 1e-3
 MIN_POSITIONS = 64
 
 
+# Modules whose 3-D output is ``(N, C, L)``, channels first, not ``(batch, sequence, hidden)``.
+_CHANNELS_FIRST = (
+    nn.Conv1d,
+    nn.ConvTranspose1d,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+    nn.MaxPool1d,
+    nn.AvgPool1d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveAvgPool1d,
+    nn.LPPool1d,
+)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What to compute on a module's output, resolved once when the Monitor attaches."""
 
     bounds: tuple[float, float] | None  # saturation bounds of a bounded activation
     dead: bool  # a ReLU-like module: estimate the fraction of dead units
+    channels_first: bool = False  # a 3-D output's channels are dim 1 (a Conv1d's (N, C, L))
 
 
 def plan_for(module: nn.Module) -> Plan:
@@ -63,7 +80,8 @@ def plan_for(module: nn.Module) -> Plan:
         if isinstance(module, kind):
             bounds = b
             break
-    return Plan(bounds=bounds, dead=isinstance(module, _RELU_LIKE))
+    first = isinstance(module, _CHANNELS_FIRST)
+    return Plan(bounds=bounds, dead=isinstance(module, _RELU_LIKE), channels_first=first)
 
 
 class Sampler:
@@ -82,7 +100,6 @@ class Sampler:
         self.k = k
         self._index: dict[tuple, torch.Tensor] = {}
         self._units: dict[tuple, torch.Tensor] = {}
-        self._channels: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.k is None or t.numel() <= self.k:
@@ -148,31 +165,14 @@ class Sampler:
             self._units[key] = index
         return torch.take(t, index)
 
-    def channel_ids(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The channel of each value of ``self(t)`` (as :meth:`channel_amax` reads them),
-        and the number of channels."""
-        unit_dim = channel_dim(t)
-        c = t.shape[unit_dim]
-        key = (tuple(t.shape), t.device)
-        ids = self._channels.get(key)
-        if ids is None:
-            index = strided_index(t.numel(), self.k or t.numel(), t.shape, t.device)
-            inner = math.prod(t.shape[unit_dim + 1 :])
-            ids = self._channels[key] = (index // inner) % c
-        return ids, c
 
-    def channel_amax(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Each channel's largest magnitude over ``x``, ``self(t)``: the sample already read
-        (the channel: the last dim of a 3-D ``(batch, sequence, hidden)`` output, else dim 1;
-        the strided sample meets every channel, coprime as its stride is). Float32."""
-        unit_dim = channel_dim(t)
-        c = t.shape[unit_dim]
-        if x.numel() == t.numel():  # the whole tensor: reduce it directly
-            dims = [d for d in range(t.dim()) if d != unit_dim]
-            return t.detach().abs().amax(dim=dims).float()
-        ids, _ = self.channel_ids(t)
-        out = torch.zeros(c, device=x.device)
-        return out.scatter_reduce_(0, ids, x.abs().float(), "amax")
+def channel_absmax(t: torch.Tensor, unit_dim: int) -> torch.Tensor:
+    """Each channel's largest magnitude over every value of ``t`` (detached; the channel: dim
+    ``unit_dim``), float32, on its device: the exact maxima, not a sample's, so that a
+    channel made large at a few tokens is seen. From its largest and smallest values, not
+    ``abs()``: no copy of ``t``. NaN wins, as in ``amax``."""
+    dims = [d for d in range(t.dim()) if d != unit_dim]
+    return torch.maximum(t.amax(dim=dims), t.amin(dim=dims).neg()).float()
 
 
 def channel_dim(t: torch.Tensor) -> int:

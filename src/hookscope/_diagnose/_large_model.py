@@ -23,7 +23,15 @@ class MassiveActivations:
 
     Both: where a whole channel is the outlier (one output channel x1000, the kind that
     breaks int8/fp8 per-tensor scales) it carries most of the RMS itself, so the largest
-    value over the RMS cannot pass ~sqrt(positions) (about 25 for 768 channels)."""
+    value over the RMS cannot pass ~sqrt(positions) (about 25 for 768 channels). The
+    channels' largest magnitudes are exact (every position of a sampled step, not the
+    sample), so a channel made large at a few tokens only is judged as one large everywhere.
+
+    Trained transformers grow massive activations of their own (a few fixed dims 100-1000x
+    at the first or delimiter tokens, Sun et al. 2024); at the sizes and lengths of the runs
+    this was checked on (``benchmarks/heldout.py``, tiny GPT-2/BERT/ViT trained until they
+    learn) none reaches these thresholds, and where one does it is the same precursor of
+    low-precision overflow the message names."""
 
     def __init__(self, thresholds: Thresholds) -> None:
         self.t = thresholds
@@ -38,16 +46,16 @@ class MassiveActivations:
             # NaN: not massive
             run.see(step, ratio >= self.t.massive or channel >= self.t.massive_channel)
             if run.state and run.lasted(self.t.massive_span):
-                if not ratio >= self.t.massive:  # a whole channel, not a few values
+                if not ratio >= self.t.massive:  # one channel (whole or at a few tokens)
                     chans = s["channels"]
                     what = (
                         f"channel {chans['index'][0]} of {name!r} reaches {chans['absmax'][0]:.3g}"
                         f", {channel:.0f}x the median channel's largest magnitude "
                         f"({chans['median_absmax']:.3g}; kurtosis "
-                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}: a whole "
-                        "channel carries values tens to hundreds of times the rest (an outlier "
-                        "channel, which a per-tensor int8/fp8 scale cannot represent beside "
-                        "the others)"
+                        f"{s.get('kurtosis', math.nan):.3g}) since step {run.since}: one "
+                        "channel carries values tens to hundreds of times the others' largest, "
+                        "at every position or at a few tokens (an outlier channel, which a "
+                        "per-tensor int8/fp8 scale cannot represent beside the others)"
                     )
                     value = channel
                 else:
@@ -118,7 +126,7 @@ class LogitGrowth:
 
 
 def _massive_channels(stats: dict, massive: float) -> str:
-    """``", in channels 7 and 12 (absmax 812, 640)"``: the sampled channels whose largest
+    """``", in channels 7 and 12 (absmax 812, 640)"``: the top channels whose largest
     magnitude is ``massive`` times the output's RMS or more (else the largest one)."""
     channels = stats.get("channels")
     ratio, absmax = stats.get("absmax_over_rms", math.nan), stats.get("absmax", math.nan)
@@ -137,8 +145,8 @@ def _massive_channels(stats: dict, massive: float) -> str:
 
 
 def _channel_ratio(stats: dict) -> float:
-    """The largest channel's largest magnitude over the median channel's (NaN when the
-    output has fewer than 4 channels)."""
+    """The largest channel's largest magnitude over the median channel's, both over every
+    position (NaN when the output has fewer than 4 channels)."""
     channels = stats.get("channels")
     if not channels or not channels.get("absmax"):
         return math.nan

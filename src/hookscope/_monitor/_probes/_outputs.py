@@ -5,8 +5,10 @@ step's :class:`StepBuffer`; at the step's end :meth:`Activations.collect` settle
 and every module's statistics come from one pass over a zero-padded ``(rows, width)`` tensor
 of the samples (``_stats.Rows``), combined per module over its calls, under the keys that
 :meth:`read` and :meth:`layout` use. ``sample=None`` measures in the hook, with the same row
-functions. After the one host transfer each probe fills its part of the
-:class:`StepRecord`.
+functions. Each channel's largest magnitude is the exception: read over the whole output in
+the hook (a ``[C]`` tensor per call, left on the device), as a sample misses a channel
+large at a few tokens; only each module's top channels travel. After the one host transfer
+each probe fills its part of the :class:`StepRecord`.
 """
 
 import itertools
@@ -25,6 +27,7 @@ from ..._stats import (
     Plan,
     Rows,
     Sampler,
+    channel_absmax,
     channel_dim,
     dead_fraction,
     histogram,
@@ -48,7 +51,7 @@ class _Out(NamedTuple):
     x: torch.Tensor  # the sample (float32 or float64)
     numel: int  # the output's size
     shape: tuple[int, ...]
-    channels: tuple[torch.Tensor, int] | None  # each sampled value's channel, how many
+    channels: torch.Tensor | None  # each channel's largest magnitude (exact, not sampled)
     row: int  # its row in the step's block (``_Block``), -1: a tensor of its own
 
 
@@ -156,12 +159,15 @@ class Activations:
                 x, row = self.block.write(self.sampler, t)
             first = x if first is None else first
             channels = None
-            if t.dim() >= 2 and t.shape[channel_dim(t)] >= 2:
+            unit_dim = 1 if plan.channels_first and t.dim() == 3 else channel_dim(t)
+            if t.dim() >= 2 and t.shape[unit_dim] >= 2:
+                # read whole on a sampled step too (a [C] tensor per call, left on the
+                # device): a channel large at a few tokens escapes a sample
+                channels = channel_absmax(t, unit_dim)
                 if exact:
-                    _channels(buf, name, self.sampler.channel_amax(t, x))
+                    _channels(buf, name, channels)
                     self._split = True
-                else:
-                    channels = self.sampler.channel_ids(t)
+                    channels = None
             out = _Out(name, x, t.numel(), tuple(t.shape), channels, row)
             if exact:
                 self._finish(buf, [out])
@@ -196,7 +202,6 @@ class Activations:
     def _finish_group(self, buf: StepBuffer, outs: list[_Out]) -> None:
         rows, mask, n = self.block.rows(self.rows, [o.x for o in outs], [o.row for o in outs])
         device, dtype = rows.device, rows.dtype
-        layout = tuple((o.name, o.shape, o.x.numel()) for o in outs)
         names, slot, calls = _slots([o.name for o in outs])
         bounds = None
         if any(self.plans[o.name].bounds is not None for o in outs):
@@ -225,43 +230,40 @@ class Activations:
             buf.add(("act_min", name), lows[i], "min")
             buf.add(("act_max", name), highs[i], "max")
             buf.add(("act_numel", name), numels[i])
-        self._finish_channels(buf, outs, rows, layout)
+        self._finish_channels(buf, outs, device)
 
-    def _finish_channels(
-        self, buf: StepBuffer, outs: list[_Out], rows: torch.Tensor, layout: tuple
-    ) -> None:
-        """Each channel's largest magnitude over its module's samples: one scatter for every
-        row into one vector of every module's channels (a module's first call fixes its
-        channels; a later call with another count of them is left out)."""
+    def _finish_channels(self, buf: StepBuffer, outs: list[_Out], device: torch.device) -> None:
+        """Every module's channel maxima in one vector (a module's first call fixes its
+        channels; a later call with another count of them is left out; calls of one module
+        combine by max in one scatter)."""
         self._unfuse(buf)  # an earlier pass of this step: its channels by module
         sizes: dict[str, int] = {}
         for o in outs:
             if o.channels is not None and o.name not in sizes:
                 old = buf.value(("act_chan", o.name))  # from an earlier pass this step
-                sizes[o.name] = o.channels[1] if old is None else old.numel()
+                sizes[o.name] = o.channels.numel() if old is None else old.numel()
+        kept = [o for o in outs if o.channels is not None and o.channels.numel() == sizes[o.name]]
+        if len(kept) < len(outs):  # a module none of whose calls has its count of channels
+            present = {o.name for o in kept}
+            sizes = {name: n for name, n in sizes.items() if name in present}
         if not sizes:
             return
-        starts = dict(zip(sizes, itertools.accumulate([0, *sizes.values()]), strict=False))
-        total = sum(sizes.values())
+        values = torch.cat([o.channels for o in kept])
+        if len(kept) > len(sizes):  # a module called more than once: the max over its calls
+            starts = dict(zip(sizes, itertools.accumulate([0, *sizes.values()]), strict=False))
 
-        def index() -> torch.Tensor:  # padded position -> its channel (``total``: none)
-            width = rows.shape[1]
-            parts = []
-            for o in outs:
-                ids = None
-                if o.channels is not None and o.channels[1] == sizes[o.name]:
-                    ids = o.channels[0] + starts[o.name]
-                if ids is None:
-                    ids = torch.full((0,), total, dtype=torch.long, device=rows.device)
-                parts.append(F.pad(ids, (0, width - ids.numel()), value=total))
-            return torch.stack(parts).reshape(-1)
+            def index() -> torch.Tensor:  # each value's place in the modules' vector
+                parts = [torch.arange(sizes[o.name]) + starts[o.name] for o in kept]
+                return torch.cat(parts).to(device)
 
-        key = ("channels", layout, tuple(sizes.values()), rows.shape[1], rows.device)
-        where = self.rows.cached(key, index)
-        amax = rows.new_zeros(total + 1).scatter_reduce_(0, where, rows.reshape(-1).abs(), "amax")
+            names = tuple(o.name for o in kept)
+            key = ("channels", names, tuple(sizes.values()), device)
+            where = self.rows.cached(key, index)
+            total = sum(sizes.values())
+            values = values.new_zeros(total).scatter_reduce_(0, where, values, "amax")
         # kept whole, with what splits it by module (:meth:`_unfuse`), until :meth:`collect`
         # reads every module's top channels from it at once
-        buf.set(_FUSED, amax[:total].float())
+        buf.set(_FUSED, values)
         self._fused = tuple(sizes.items())
 
     def _unfuse(self, buf: StepBuffer) -> None:
