@@ -6,6 +6,7 @@ weights, a few tiny gathers per step.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -47,26 +48,45 @@ def _lr(group: dict[str, Any]) -> float:
         return 0.0
 
 
-def _stacked(pending: list[tuple[str, _Probe, torch.Tensor]]) -> torch.Tensor:
-    return torch.stack([flag.to(pending[0][2].device) for _, _, flag in pending])
+def _stacked(pending: list[tuple[str, _Probes, torch.Tensor]]) -> torch.Tensor:
+    device = pending[0][2].device
+    return torch.cat([flags.to(device) for _, _, flags in pending])
 
 
-class _Probe:
-    """One weight around one update: a few elements before, and whether they should move."""
+class _Probes:
+    """Weights of one optimizer around one update (of one dtype, device and learning rate):
+    a few elements of each before it, and whether they should move, in one vector for all
+    of them (a few ops per update, not a few per weight)."""
 
-    def __init__(self, name: str, p: torch.Tensor, index: torch.Tensor, lr: float) -> None:
-        self.name, self.p, self.index, self.lr = name, p, index, lr
-        w = local(p.detach())
-        g = local(p.grad.detach())
-        self.before = torch.take(w, index)
-        grad = torch.take(g, index).to(self.before.dtype)
+    def __init__(self, chosen: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+        self.names = [name for name, _, _ in chosen]
+        self.lr = lr
+        self._pairs = [(p, index) for _, p, index in chosen]
+        sizes = [index.numel() for _, _, index in chosen]
+        self._bounds = [0, *itertools.accumulate(sizes)]
+        before = [torch.take(local(p.detach()), i) for p, i in self._pairs]
+        grads = [torch.take(local(p.grad.detach()), i) for p, i in self._pairs]
+        self.before = before[0] if len(before) == 1 else torch.cat(before)
+        grad = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(self.before.dtype)
         self.expect = (grad != 0) & (lr * grad.abs() > RESOLUTION * self.before.abs())
+        self._seg = None
+        if len(sizes) > 1:  # which weight each element is of
+            seg = [k for k, n in enumerate(sizes) for _ in range(n)]
+            self._seg = torch.tensor(seg, device=self.before.device)
 
     def stuck(self) -> torch.Tensor:
-        """1 when enough elements should have moved and none did."""
-        now = torch.take(local(self.p.detach()), self.index)
-        moved = (self.expect & (now != self.before)).sum()
-        return ((self.expect.sum() >= MIN_EVIDENCE) & (moved == 0)).float()
+        """Per weight, 1 when enough of its elements should have moved and none did."""
+        now = [torch.take(local(p.detach()), i) for p, i in self._pairs]
+        moved = self.expect & ((now[0] if len(now) == 1 else torch.cat(now)) != self.before)
+        if self._seg is None:
+            return ((self.expect.sum() >= MIN_EVIDENCE) & (moved.sum() == 0)).float().reshape(1)
+        both = torch.stack([self.expect, moved]).float()
+        counts = both.new_zeros(2, len(self.names)).index_add_(1, self._seg, both)
+        return ((counts[0] >= MIN_EVIDENCE) & (counts[1] == 0)).float()
+
+    def expected(self, k: int) -> int:
+        """How many sampled elements of weight ``k`` should have moved."""
+        return int(self.expect[self._bounds[k] : self._bounds[k + 1]].sum())
 
 
 class NotUpdated:
@@ -90,11 +110,11 @@ class NotUpdated:
         self._all = {id(p): n for n, p in ctx.model.named_parameters()}
         self._chosen: dict[int, tuple[weakref.ref, int, list[tuple[str, nn.Parameter, int]]]] = {}
         self._index: dict[int, torch.Tensor] = {}
-        self._probes: dict[int, list[_Probe]] = {}
-        self._pending: list[tuple[str, _Probe, torch.Tensor]] = []
+        self._probes: dict[int, list[_Probes]] = {}
+        self._pending: list[tuple[str, _Probes, torch.Tensor]] = []
         # An unsampled step's verdicts, read with the next step's first transfer (on a GPU,
         # one more at the step's end would be a second host sync; see ``begin``)
-        self._late: list[tuple[str, _Probe, torch.Tensor]] = []
+        self._late: list[tuple[str, _Probes, torch.Tensor]] = []
         self._late_step = -1
         self._now = False  # this step's verdicts move with its own transfer (sampled)
         self._found: list[Finding] = []
@@ -122,7 +142,8 @@ class NotUpdated:
         n = self._steps[id(opt)] = self._steps.get(id(opt), -1) + 1
         if n >= FIRST_STEPS and n % PROBE_EVERY:
             return
-        probes = []
+        # the weights to compare, in one batch per dtype, device and learning rate
+        batches: dict[tuple, tuple[float, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
         for name, p, g in chosen:
             lr = _lr(opt.param_groups[g])
             if p.grad is None or lr <= 0 or p.numel() == 0:
@@ -130,12 +151,13 @@ class NotUpdated:
             index = self._index.get(id(p))
             if index is None:
                 index = self._index[id(p)] = spread(local(p.detach()), ELEMENTS)
-            probes.append(_Probe(name, p, index, lr))
-        self._probes[id(opt)] = probes
+            key = (p.dtype, p.grad.dtype, p.device, lr)
+            batches.setdefault(key, (lr, []))[1].append((name, p, index))
+        self._probes[id(opt)] = [_Probes(members, lr) for lr, members in batches.values()]
 
     def _post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        for probe in self._probes.pop(id(opt), []):
-            self._pending.append((type(opt).__name__, probe, probe.stuck()))
+        for probes in self._probes.pop(id(opt), []):
+            self._pending.append((type(opt).__name__, probes, probes.stuck()))
 
     def _choose(self, opt: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter, int]] | None:
         """The largest trainable weights of the model that ``opt`` steps (``None``: it steps
@@ -233,23 +255,25 @@ class NotUpdated:
         return found
 
     def _stuck(
-        self, pending: list[tuple[str, _Probe, torch.Tensor]], flags: list[float], step: int
+        self, pending: list[tuple[str, _Probes, torch.Tensor]], flags: list[float], step: int
     ) -> list[Finding]:
-        return [
-            self._unchanged(opt, probe, step)
-            for (opt, probe, _), stuck in zip(pending, flags, strict=False)
-            if stuck
-        ]
+        found, k = [], 0
+        for opt, probes, _ in pending:
+            for j in range(len(probes.names)):
+                if k < len(flags) and flags[k]:
+                    found.append(self._unchanged(opt, probes, j, step))
+                k += 1
+        return found
 
-    def _unchanged(self, opt: str, probe: _Probe, step: int) -> Finding:
-        n = int(probe.expect.sum())
+    def _unchanged(self, opt: str, probes: _Probes, j: int, step: int) -> Finding:
+        n, name = probes.expected(j), probes.names[j]
         return Finding(
             self.kind,
-            module_of(probe.name),
+            module_of(name),
             step,
             0.0,
-            f"{opt}.step() left {probe.name!r} unchanged at step {step}: {n} of its sampled "
-            f"elements had a gradient large enough to move them at lr {probe.lr:g}, and none "
+            f"{opt}.step() left {name!r} unchanged at step {step}: {n} of its sampled "
+            f"elements had a gradient large enough to move them at lr {probes.lr:g}, and none "
             "moved. The update never reached this tensor: e.g. a custom optimizer that rebinds "
             "`p = p - lr * p.grad` (or updates p.data.clone()) instead of updating p in place, "
             "a compiled or captured step replaying other tensors, or weights restored right "
