@@ -184,7 +184,7 @@ class NonFiniteTrail:
                 key = (id(call), i)
                 if self._flagged.get(key) is not grad:
                     self._flagged[key] = grad
-                    flags.append(Flag("backward", name, edge=True))
+                    flags.append(_edge_flag(name))
                     grads.append(grad)
         return flags, grads
 
@@ -193,7 +193,9 @@ class NonFiniteTrail:
         if self._later:
             flags, grads = self._pending()
             if grads:
-                self._by_norms(buf, flags, [g.detach() for g in grads], len(flags))
+                start = len(self.flags)
+                self.flags.extend(flags)
+                self._by_norms(buf, start, [], grads)
 
     def parameters(
         self,
@@ -205,11 +207,12 @@ class NonFiniteTrail:
         """Flag the gradients an optimizer is about to apply, by their L2 norms (one fused
         kernel; torch's L2 norm reads 3x faster than its L1 on a CPU): a NaN/Inf can arise in
         a weight's gradient alone (an overflowing recurrent matmul). The gradients at the
-        model's edges left to flag (:meth:`backward_later`) go first, in the same kernel.
-        ``plist``: the parameters ``names``, where the caller has them. Returns the index of
-        the first parameter's flag, the names of those that have a gradient and their norms
-        (one vector where they are on one device and of one dtype, in the buffer as one
-        block: ``StepBuffer.set_block``; else a list)."""
+        model's edges left to flag (:meth:`backward_later`) are flagged right after them, in
+        the same kernel. ``plist``: the parameters ``names``, where the caller has them.
+        Returns the index of the first parameter's flag, the names of those that have a
+        gradient and their norms, in that order (one vector where they are on one device and
+        of one dtype, in the buffer as one block: ``StepBuffer.set_block``; else a list;
+        either may go on with the edges' norms)."""
         grads = [p.grad for p in (plist or [params[n] for n in names])]
         if any(g is None for g in grads):
             names = [n for n, g in zip(names, grads, strict=True) if g is not None]
@@ -217,51 +220,40 @@ class NonFiniteTrail:
         self._params = params
         if not all(type(g) is torch.Tensor for g in grads):
             grads = [local(g) for g in grads]
-        flags = _param_flags(tuple(names))
-        edge_flags: list[Flag] = []
+        start = len(self.flags)
+        self.flags.extend(_param_flags(tuple(names)))
         if self._later:
             edge_flags, edge_grads = self._pending()
-            if edge_grads and not _fusable(edge_grads, grads):
-                self._by_norms(buf, edge_flags, [g.detach() for g in edge_grads], 0)
-                edge_flags = []
-            elif edge_grads:
-                grads = [g.detach() for g in edge_grads] + grads
-        start = len(self.flags)
-        self.flags.extend(edge_flags)
-        self.flags.extend(flags)
-        values = self._by_norms(buf, None, grads, len(edge_flags))
-        first = start + len(edge_flags)
-        if edge_flags:
-            values = values[len(edge_flags) :]
-        return first, names, values
+            if edge_grads and not _fusable(edge_grads, grads):  # two fused norms
+                values = self._by_norms(buf, start, grads, [])
+                self.flags.extend(edge_flags)
+                self._by_norms(buf, start + len(grads), [], edge_grads)
+                return start, names, values
+            self.flags.extend(edge_flags)
+            return start, names, self._by_norms(buf, start, grads, edge_grads)
+        return start, names, self._by_norms(buf, start, grads, [])
 
     def _by_norms(
-        self, buf: StepBuffer, flags: list[Flag] | None, grads: list[torch.Tensor], late: int
+        self, buf: StepBuffer, start: int, grads: list[torch.Tensor], late: list[torch.Tensor]
     ) -> torch.Tensor | list[torch.Tensor]:
-        """Put the L2 norms of ``grads`` in the buffer as the flags from ``len(self.flags)
-        - len(grads)`` on (``flags``: appended first); the first ``late`` are gradients of
-        :meth:`backward_later`, kept for :meth:`_overflowed`, in a block of their own (the
-        parameters' block stays whole for its readers). Returns the norms."""
-        if flags is not None:
-            self.flags.extend(flags)
-        start = len(self.flags) - len(grads)
-        for k in range(late):
-            self._late_grads[start + k] = grads[k]
+        """Put the L2 norms of ``grads`` and then of ``late`` (gradients of
+        :meth:`backward_later`, kept for :meth:`_overflowed`) in the buffer as the flags from
+        ``start`` on, as one block where they stack; return them."""
+        if late:
+            for k, grad in enumerate(late, start + len(grads)):
+                self._late_grads[k] = grad
+            grads = grads + [g.detach() if g.requires_grad else g for g in late]
         try:
             stacked = _GRAD_NORMS(grads)
         except RuntimeError:  # on several devices
             stacked = None
-        if stacked is None:
-            values = norms(grads, 2)
-            buf.set_many([("flag", i) for i in range(start, start + len(grads))], values)
-            return values
-        parts = [(start, stacked)]
-        if 0 < late < len(grads):
-            parts = [(start, stacked[:late]), (start + late, stacked[late:])]
-        for first, part in parts:
-            buf.set_block("flag", first, part)
-            self.blocks.append((first, part.numel()))
-        return stacked
+        if stacked is not None:
+            buf.set_block("flag", start, stacked)
+            self.blocks.append((start, len(grads)))
+            return stacked
+        values = norms(grads, 2)
+        buf.set_many([("flag", i) for i in range(start, start + len(grads))], values)
+        return values
 
     def _overflowed(self, index: int, flag: Flag, value: float) -> bool:
         """Whether an infinite L2 norm of a gradient is only its float32 sum of squares
@@ -406,6 +398,12 @@ def _param_flags(names: tuple[str, ...]) -> tuple[Flag, ...]:
     """The "param" flags of gradients ``names``, built once per set of names (an optimizer
     steps the same parameters every step)."""
     return tuple(Flag("param", n.rsplit(".", 1)[0] if "." in n else "", (), n) for n in names)
+
+
+@functools.lru_cache(maxsize=256)
+def _edge_flag(name: str) -> Flag:
+    """The flag of the gradient reaching the outputs of the outermost call ``name``."""
+    return Flag("backward", name, edge=True)
 
 
 def _fusable(extra: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
