@@ -8,9 +8,12 @@ last steps' loss, total gradient norm and group norms on the host: no kernel and
 of its own, a few microseconds of Python per step.
 
 A loss spike is judged with robust rolling statistics of the last ``spike_window`` losses
-(:class:`Rolling`: their median, and the MAD of their step-to-step changes); when one starts,
-the group whose gradient norm left its own rolling range first is named, with its lead in
-steps, and the window is handed back to be logged.
+(:class:`Rolling`: their median, and the MAD of their step-to-step changes) and against the
+run's own heavy tail (:class:`LossTail`: how far each batch rose above the loss's short trend,
+and the largest of those rises): near convergence healthy batches jump 10x their neighbours,
+and a spike must rise well above what the run's own batches did; when one starts, the group
+whose gradient norm left its own rolling range first is named, with its lead in steps, and the
+window is handed back to be logged.
 
 Gradients alone cannot name a block whose *weights* changed (scaled by a bad merge or
 checkpoint surgery, or by an update that a tiny Adam epsilon blew up): the loss spikes in the
@@ -284,8 +287,11 @@ class SpikeWatch:
     check's per-parameter flags, :meth:`flags` says which) and of its weights (measured by
     :meth:`weights` before the update). A spike is a loss above the range of the
     ``spike_window`` losses before it (:class:`Rolling`: ``spike_k`` noise units and at least
-    ``spike_rel`` above their median) after ``spike_min_history`` steps; only the first step
-    of a run of spiking steps is reported.
+    ``spike_rel`` above their median, or ``spike_jump`` x the last few) after
+    ``spike_min_history`` steps, whose rise over the loss's trend clears the run's heavy tail
+    (:class:`LossTail`, :meth:`_over_tail`), or a rise over the trend far beyond both the tail
+    and the rises' robust width; only the first step of a run of spiking steps is reported.
+    The loss is a host float (the step's one transfer brought it): no device work here.
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], thresholds: Thresholds) -> None:
@@ -387,8 +393,10 @@ class SpikeWatch:
         return self._spike(step, loss, verdict) if started else None
 
     def _judge(self, loss: float) -> _Verdict | None:
-        """Whether ``loss`` spikes, and by which rule; its rise goes to the tail either way
-        (a spike's clipped to the bar it passed: one spike does not hide the next)."""
+        """Whether ``loss`` spikes, and by which rule; its rise goes to the tail either way,
+        a spike's no larger than the tail it rose above (a spike is not the run's own noise:
+        one, or a loss that stays high for a while, does not hide the next for hundreds of
+        steps)."""
         tail = self.tail
         level = tail.trend()
         rise = loss - level if level is not None and loss > 0 and math.isfinite(loss) else None
@@ -406,7 +414,7 @@ class SpikeWatch:
         verdict = None
         if rise >= min(TAIL_RANGE, self.tail_k) * top:  # else surely within the tail
             verdict = self._over_tail(loss, rise, level, top)
-        tail.add(loss, rise if verdict is None else min(rise, self.tail_k * top))
+        tail.add(loss, rise if verdict is None else min(rise, top))
         return verdict
 
     def _over_tail(self, loss: float, rise: float, level: float, top: float) -> _Verdict | None:
