@@ -108,7 +108,8 @@ class Thresholds:
             long median's rule: a plateau's noise is its whole range); and, after 30 rises,
             a loss ``spike_tail`` times the largest rise and ``spike_k`` robust widths of the
             rises (1.4826 x their MAD) above its trend is a spike too (a x7 batch on a noisy
-            run that neither 3x its last five nor the long median's range can see). Small
+            run that neither 3x its last five nor the long median's range can see; from 12
+            rises, three times as far above the largest: a x3 early in a fast descent). Small
             GPT-2s near convergence have batches 10-30x their neighbours on healthy runs
             (SGD with momentum, AdamW at 1e-2, Adam with betas (0.9, 0.95), 4 layers x 128):
             in plain units their rises stay within twice the largest of the last steps, and

@@ -57,6 +57,8 @@ TREND_START = 8  # ... losses before the first trend
 TAIL_RANGE = 1.25  # the long median's rule: a spike rises this x the largest rise, at least
 TAIL_READY = 5  # rises kept before they judge a spike
 TREND_HISTORY = 30  # rises kept before a rise over the trend is a spike on its own
+TREND_EARLY = 12  # ... or from this many, EARLY_BAR x as far above the largest
+EARLY_BAR = 3.0
 
 
 def group_of(param: str) -> str:
@@ -429,8 +431,11 @@ class SpikeWatch:
             return None
         if jumped is not None and jumped > 1.0:
             return _Verdict("jump", jumped, level, rise, top)
-        if len(self.tail.rises) >= TREND_HISTORY and loss >= (1.0 + self.rel) * level:
-            bar = max(self.k * self.tail.width(), self.tail_k * top, 1e-12)
+        rises = len(self.tail.rises)
+        if rises >= TREND_EARLY and loss >= (1.0 + self.rel) * level:
+            # fewer rises: their largest may not be the run's yet, the bar is higher
+            early = 1.0 if rises >= TREND_HISTORY else EARLY_BAR
+            bar = max(self.k * self.tail.width(), early * self.tail_k * top, 1e-12)
             if rise >= bar:
                 return _Verdict("trend", rise / bar, level, rise, top)
         return None
