@@ -102,7 +102,11 @@ class Ears:
         h = self._hooks
         # No gradient on any parameter: a new accumulation starts (zero_grad ran), and the
         # losses backpropagated before it (a GAN's other phase) are not this step's.
-        fresh = all(p.grad is None for p in self._params.params.values())
+        fresh = True
+        for p in self._params.params.values():  # (a loop: no generator per backward)
+            if p.grad is not None:
+                fresh = False
+                break
         if not h.tape.paused:
             h.now.backward_ran = True
             self._checks.before_backward()

@@ -121,14 +121,18 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(tensors, *args, **kwargs)
         loss = loss_of(tensors)
         scale = scale_of(tensors)
+        graph = None
         for listener, token in zip(listeners, tokens, strict=True):
             listener.after_backward(token, loss)
-            loss_scaled = getattr(listener, "loss_scaled", None)
-            if scale is not None and loss_scaled is not None:
-                loss_scaled(token, scale)
+            if scale is not None:
+                loss_scaled = getattr(listener, "loss_scaled", None)
+                if loss_scaled is not None:
+                    loss_scaled(token, scale)
             loss_graph = getattr(listener, "loss_graph", None)
             if loss_graph is not None:
-                loss_graph(token, graph_of(tensors))
+                if graph is None:
+                    graph = graph_of(tensors)
+                loss_graph(token, graph)
         return result
 
     return backward
