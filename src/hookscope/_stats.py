@@ -21,6 +21,7 @@ __all__ = [
     "Sampler",
     "channel_absmax",
     "channel_dim",
+    "channel_extremes",
     "dead_fraction",
     "finite_flag",
     "histogram",
@@ -166,13 +167,19 @@ class Sampler:
         return torch.take(t, index)
 
 
-def channel_absmax(t: torch.Tensor, unit_dim: int) -> torch.Tensor:
-    """Each channel's largest magnitude over every value of ``t`` (detached; the channel: dim
-    ``unit_dim``), float32, on its device: the exact maxima, not a sample's, so that a
-    channel made large at a few tokens is seen. From its largest and smallest values, not
-    ``abs()``: no copy of ``t``. NaN wins, as in ``amax``."""
+def channel_extremes(t: torch.Tensor, unit_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each channel's largest and smallest value over every value of ``t`` (detached; the
+    channel: dim ``unit_dim``), in its dtype, on its device: exact, not a sample's, so that
+    a channel made large at a few tokens is seen. Two reductions, not ``abs()``: no copy of
+    ``t``. NaN wins, as in ``amax``."""
     dims = [d for d in range(t.dim()) if d != unit_dim]
-    return torch.maximum(t.amax(dim=dims), t.amin(dim=dims).neg()).float()
+    return t.amax(dim=dims), t.amin(dim=dims)
+
+
+def channel_absmax(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The largest magnitudes, float32, from :func:`channel_extremes` (of one output, or of
+    several concatenated: one op for all)."""
+    return torch.maximum(high, low.neg()).float()
 
 
 def channel_dim(t: torch.Tensor) -> int:

@@ -29,6 +29,7 @@ from ..._stats import (
     Sampler,
     channel_absmax,
     channel_dim,
+    channel_extremes,
     dead_fraction,
     histogram,
     plan_for,
@@ -51,7 +52,8 @@ class _Out(NamedTuple):
     x: torch.Tensor  # the sample (float32 or float64)
     numel: int  # the output's size
     shape: tuple[int, ...]
-    channels: torch.Tensor | None  # each channel's largest magnitude (exact, not sampled)
+    # each channel's largest and smallest value (exact, not sampled), in the output's dtype
+    channels: tuple[torch.Tensor, torch.Tensor] | None
     row: int  # its row in the step's block (``_Block``), -1: a tensor of its own
 
 
@@ -163,9 +165,9 @@ class Activations:
             if t.dim() >= 2 and t.shape[unit_dim] >= 2:
                 # read whole on a sampled step too (a [C] tensor per call, left on the
                 # device): a channel large at a few tokens escapes a sample
-                channels = channel_absmax(t, unit_dim)
+                channels = channel_extremes(t, unit_dim)
                 if exact:
-                    _channels(buf, name, channels)
+                    _channels(buf, name, channel_absmax(*channels))
                     self._split = True
                     channels = None
             out = _Out(name, x, t.numel(), tuple(t.shape), channels, row)
@@ -241,14 +243,18 @@ class Activations:
         for o in outs:
             if o.channels is not None and o.name not in sizes:
                 old = buf.value(("act_chan", o.name))  # from an earlier pass this step
-                sizes[o.name] = o.channels.numel() if old is None else old.numel()
-        kept = [o for o in outs if o.channels is not None and o.channels.numel() == sizes[o.name]]
+                sizes[o.name] = o.channels[0].numel() if old is None else old.numel()
+        kept = [
+            o for o in outs if o.channels is not None and o.channels[0].numel() == sizes[o.name]
+        ]
         if len(kept) < len(outs):  # a module none of whose calls has its count of channels
             present = {o.name for o in kept}
             sizes = {name: n for name, n in sizes.items() if name in present}
         if not sizes:
             return
-        values = torch.cat([o.channels for o in kept])
+        # every call's largest magnitudes in one op: a few ops per pass, not per call
+        highs = torch.cat([o.channels[0] for o in kept])
+        values = channel_absmax(highs, torch.cat([o.channels[1] for o in kept]))
         if len(kept) > len(sizes):  # a module called more than once: the max over its calls
             starts = dict(zip(sizes, itertools.accumulate([0, *sizes.values()]), strict=False))
 
