@@ -140,7 +140,10 @@ class NonFiniteDecision:
         ``"raise"`` or ``"skip"``), from a tiny collective, and otherwise none yet (found at
         ``step()``, from the step's one collective)."""
         if not self._coll.synced:
-            return self.localised(state, early(state), step, findings)
+            found = self.localised(state, early(state), step, findings)
+            if found is None:  # these flags are finite: ``at_step`` need not read them again
+                state.finite_flags = len(state.trail.flags)
+            return found
         return self.agreed_now(state, step, findings) if agree else None
 
     def agreed(
@@ -185,7 +188,8 @@ class NonFiniteDecision:
         found: list[Finding] = []
         if state.nonfinite is None:
             if info is None:
-                state.nonfinite = self.localised(state, host, step, findings)
+                if state.finite_flags != len(state.trail.flags):  # flags since the update's
+                    state.nonfinite = self.localised(state, host, step, findings)
             else:
                 state.nonfinite = self.agreed(state, host, info, step, findings)
             if state.nonfinite is not None and state.heard.scalers_overflow(state.nonfinite, scale):

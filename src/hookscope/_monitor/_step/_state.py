@@ -31,6 +31,7 @@ class StepState:
         "buf",
         "carried",
         "early",
+        "finite_flags",
         "flagging",
         "got_grad",
         "heard",
@@ -62,6 +63,8 @@ class StepState:
         self.skipped = 0  # of those, skipped for a NaN/Inf (``on_nonfinite="skip"``)
         self.nonfinite: Finding | None = None  # the step's non-finite finding, once found
         self.early: list[Finding] = []  # findings reported before the update
+        # how many of the trail's flags a check before an update found finite (-1: none)
+        self.finite_flags = -1
         # scalars heard before the update that went with its transfer: key -> (tensor, version)
         self.carried: dict[str, tuple[torch.Tensor, int | None]] = {}
         # Did any hook on the model run, did a backward pass run? (A compiled graph from
