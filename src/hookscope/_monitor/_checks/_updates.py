@@ -58,7 +58,12 @@ class _Probes:
     a few elements of each before it, and whether they should move, in one vector for all
     of them (a few ops per update, not a few per weight)."""
 
-    def __init__(self, chosen: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+    def __init__(
+        self,
+        chosen: list[tuple[str, torch.Tensor, torch.Tensor]],
+        lr: float,
+        segments: dict[tuple, torch.Tensor],
+    ) -> None:
         self.names = [name for name, _, _ in chosen]
         self.lr = lr
         self._pairs = [(p, index) for _, p, index in chosen]
@@ -70,9 +75,13 @@ class _Probes:
         grad = (grads[0] if len(grads) == 1 else torch.cat(grads)).to(self.before.dtype)
         self.expect = (grad != 0) & (lr * grad.abs() > RESOLUTION * self.before.abs())
         self._seg = None
-        if len(sizes) > 1:  # which weight each element is of
-            seg = [k for k, n in enumerate(sizes) for _ in range(n)]
-            self._seg = torch.tensor(seg, device=self.before.device)
+        if len(sizes) > 1:  # which weight each element is of, made once per layout: a
+            # tensor from host data is a blocking copy on a GPU (tests/test_host_syncs.py)
+            key = (tuple(sizes), self.before.device)
+            self._seg = segments.get(key)
+            if self._seg is None:
+                seg = [k for k, n in enumerate(sizes) for _ in range(n)]
+                self._seg = segments[key] = torch.tensor(seg, device=self.before.device)
 
     def stuck(self) -> torch.Tensor:
         """Per weight, 1 when enough of its elements should have moved and none did."""
@@ -110,6 +119,7 @@ class NotUpdated:
         self._all = {id(p): n for n, p in ctx.model.named_parameters()}
         self._chosen: dict[int, tuple[weakref.ref, int, list[tuple[str, nn.Parameter, int]]]] = {}
         self._index: dict[int, torch.Tensor] = {}
+        self._segments: dict[tuple, torch.Tensor] = {}  # see _Probes
         self._probes: dict[int, list[_Probes]] = {}
         self._pending: list[tuple[str, _Probes, torch.Tensor]] = []
         # An unsampled step's verdicts, read with the next step's first transfer (on a GPU,
@@ -153,7 +163,9 @@ class NotUpdated:
                 index = self._index[id(p)] = spread(local(p.detach()), ELEMENTS)
             key = (p.dtype, p.grad.dtype, p.device, lr)
             batches.setdefault(key, (lr, []))[1].append((name, p, index))
-        self._probes[id(opt)] = [_Probes(members, lr) for lr, members in batches.values()]
+        self._probes[id(opt)] = [
+            _Probes(members, lr, self._segments) for lr, members in batches.values()
+        ]
 
     def _post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         for probes in self._probes.pop(id(opt), []):
