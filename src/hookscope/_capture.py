@@ -30,15 +30,16 @@ from ._hooks import (
     close_tap,
     eager_model,
     forward_failed,
-    grad_tap,
     in_backward_recompute,
     no_grad_in_model_message,
     open_tap,
+    refill,
+    tap,
     taps_compile,
 )
 from ._record import Keeper, Record, version
 from ._select import Where, select
-from ._tree import map_tensors, tensors
+from ._tree import tensors
 
 __all__ = ["Capture", "capture"]
 
@@ -80,9 +81,10 @@ def capture(
 
     Inside a ``torch.compile`` graph (attached before or after compiling, ``fullgraph=True``
     included; torch 2.7+) ``"output"``, ``"input"`` and ``"grad_output"`` are read with no
-    graph break: each output passes through a gradient identity (a custom op, a copy) whose
-    backward hands its gradient to the capture. ``"grad_input"`` still needs a tensor hook:
-    Dynamo breaks the graph at that module, and ``fullgraph=True`` refuses it, saying so.
+    graph break and no recompile: the values pass through a tap (a custom op, a copy) that
+    hands them to the capture as the graph runs, and whose backward hands over their
+    gradients. ``"grad_input"`` still needs a tensor hook: Dynamo breaks the graph at that
+    module, and ``fullgraph=True`` refuses it, saying so.
 
     Modules the model itself runs without autograd get their gradients when the model runs
     them again during backward: reentrant activation checkpointing, and reversible layers
@@ -144,7 +146,7 @@ class Capture:
         self._rerun: set[str] = set()
         self._hooks = HookSet("capture")
         self._grads_seen = False
-        self._tapped = False  # a compiled graph passed outputs through the gradient identity
+        self._tapped = False  # a compiled graph tapped outputs whose gradients are asked
         with self._hooks.attaching():
             self._attach(model)
 
@@ -154,13 +156,28 @@ class Capture:
         modules = dict(model.named_modules())
         self._grads = "grad_input" in self.what or "grad_output" in self.what
         self._uses_pre = "input" in self.what or self._grads
-        # Output gradients inside a compiled graph: one tap slot per module (_tap_grad)
-        self._taps: dict[str, int] = {}
-        if "grad_output" in self.what and taps_compile():
+        # Inside a compiled graph: the values and output gradients pass through a tap, and
+        # the records are made when the graph runs (_hooks/_taps.py). grad_input needs a
+        # tensor hook: the graph breaks there and the hooks run as they do eagerly.
+        self._in_graph = taps_compile() and "grad_input" not in self.what
+        self._slots: dict[tuple[str, str, bool], int] = {}
+        if self._in_graph:
+            ref = weakref.ref(self)  # the registry is the process's, the capture is not
             for name in self.names:
-                # by a weak reference: the registry is the process's, the capture is not
-                tap = functools.partial(_tap_grad, weakref.ref(self), name)
-                self._taps[name] = open_tap(tap)
+                if "input" in self.what:
+                    self._slots[name, "input", True] = open_tap(
+                        functools.partial(_ran, ref, "_inputs_ran", name)
+                    )
+                if "output" not in self.what and "grad_output" not in self.what:
+                    continue
+                for grad in (True, False):
+                    values = functools.partial(_ran, ref, "_outputs_ran", name, grad)
+                    grads = (
+                        functools.partial(_ran, ref, "_tap_grad", name)
+                        if grad and "grad_output" in self.what
+                        else None
+                    )
+                    self._slots[name, "output", grad] = open_tap(values, grads)
             self._hooks.on_remove(self._close_taps)
         for name in self.names:
             module = modules[name]
@@ -168,7 +185,54 @@ class Capture:
                 self._hooks.forward_pre(module, functools.partial(self._pre, name))
             self._hooks.forward(module, functools.partial(self._post, name), always_call=True)
 
+    # -- inside a compiled graph: taps, and records made as the graph runs -----------------
+    def _tap_inputs(self, name: str, args: tuple, kwargs: dict) -> Any:
+        slot = self._slots.get((name, "input", True))
+        if slot is None or not tensors((args, kwargs)):
+            return None
+        return tap((args, kwargs), slot)
+
+    def _tap_outputs(self, name: str, output: Any) -> Any:
+        slot = self._slots.get((name, "output", torch.is_grad_enabled()))
+        return None if slot is None else tap(output, slot)
+
+    def _inputs_ran(self, name: str, form: int, found: list[torch.Tensor]) -> None:
+        record = Record(name, self._clock.next(name), self._clock.pass_)
+        record.input, record.kwargs = refill(form, [self._graph_kept(t) for t in found])
+        if (name, "output", True) in self._slots:
+            self._open[name].append(record)  # its outputs complete it
+        else:
+            self._store(name, record)
+
+    def _outputs_ran(self, name: str, grad: bool, form: int, found: list[torch.Tensor]) -> None:
+        opened = self._open[name]
+        record = (
+            opened.pop()
+            if "input" in self.what and opened
+            else Record(name, self._clock.next(name), self._clock.pass_)
+        )
+        if "output" in self.what:
+            record.output = refill(form, [self._graph_kept(t) for t in found])
+        self._store(name, record)
+        if "grad_output" not in self.what:
+            return
+        if grad:
+            record._grad_out = [None] * len(found)
+            self._tapped = True
+        else:
+            key = (name, record._pass, record.call)
+            self._no_grad[key] = record
+            if self._clock.root_grad:
+                self._in_model.add(key)
+
+    def _graph_kept(self, t: torch.Tensor) -> torch.Tensor:
+        """A value from a compiled graph's buffer, which Inductor may reuse: always copied."""
+        kept = self._keeper.tensor(t)
+        return kept.clone() if kept.data_ptr() == t.data_ptr() else kept
+
     def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self._in_graph and is_compiling():
+            return self._tap_inputs(name, args, kwargs)
         if in_backward_recompute():
             # A checkpoint or reversible layer re-runs forward: never a new record. If the
             # first run had no autograd, this run carries the gradients: attach them.
@@ -208,6 +272,8 @@ class Capture:
         return None if new is args else (new, kwargs)
 
     def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self._in_graph and is_compiling():
+            return self._tap_outputs(name, output)
         record = self._open[name].pop() if self._uses_pre and self._open[name] else None
         if forward_failed(output):
             return None
@@ -229,8 +295,6 @@ class Capture:
     def _hook_grad_outputs(self, record: Record, output: Any, args: tuple, kwargs: dict) -> Any:
         if "grad_output" not in self.what:
             return None
-        if is_compiling() and record.name in self._taps:
-            return self._tap_grad_outputs(record, output)
         break_graph_for(f"capture of the gradients of {record.name!r}", "capture")
         new, aliases = alias_grad_outputs(output, args, kwargs)
         record._grad_out = [None] * len(tensors(output))
@@ -239,20 +303,6 @@ class Capture:
                 self._hooks.tensor(t, functools.partial(self._store_grad, record, "_grad_out", i))
         return None if new is output else new
 
-    def _tap_grad_outputs(self, record: Record, output: Any) -> Any:
-        """Inside a compiled graph: each output tensor through the gradient identity (a
-        custom op, no graph break). Its gradient comes to :meth:`_tap_grad` during backward."""
-        slot, seen = self._taps[record.name], [0]
-        record._grad_out = [None] * len(tensors(output))
-        self._tapped = True
-
-        def tap(t: torch.Tensor) -> torch.Tensor:
-            i = seen[0]
-            seen[0] += 1
-            return grad_tap(t, slot, i) if t.requires_grad else t
-
-        return map_tensors(tap, output)
-
     def _tap_grad(self, name: str, index: int, grad: torch.Tensor) -> None:
         """A gradient from a compiled graph, for output ``index`` of ``name``: it goes to the
         latest record of ``name`` still without one there. Backward runs a pass's calls last
@@ -260,17 +310,14 @@ class Capture:
         for record in reversed(self._records[name]):
             slots = record._grad_out
             if slots is not None and index < len(slots) and slots[index] is None:
-                kept = self._keeper.tensor(grad)
-                if kept.data_ptr() == grad.data_ptr():  # a graph's buffer: copy it
-                    kept = kept.clone()
-                slots[index] = kept
+                slots[index] = self._graph_kept(grad)
                 self._grads_seen = True
                 return
 
     def _close_taps(self) -> None:
-        for slot in self._taps.values():
+        for slot in self._slots.values():
             close_tap(slot)
-        self._taps.clear()
+        self._slots.clear()
 
     def _store_grad(self, record: Record, slot: str, index: int, grad: torch.Tensor) -> None:
         getattr(record, slot)[index] = self._keeper.tensor(grad)
@@ -414,10 +461,11 @@ class Capture:
         return capture_html(self, describe)
 
 
-def _tap_grad(ref: weakref.ref[Capture], name: str, index: int, grad: torch.Tensor) -> None:
+def _ran(ref: weakref.ref[Capture], method: str, *args: Any) -> None:
+    """A tap's callback, by a weak reference to its capture (kept in the process's registry)."""
     capture = ref()
     if capture is not None:
-        capture._tap_grad(name, index, grad)
+        getattr(capture, method)(*args)
 
 
 def _exact_names(where: Where, names: tuple[str, ...]) -> list[str]:

@@ -6,7 +6,7 @@ means, and replaces anything in torch.
 - ``_points.py``: sites, calls counted per forward pass, recomputes mapped to the call they
   repeat, and the copies whose hooks see one module's gradients.
 - ``_compile.py``: hooks and compiled models.
-- ``_grad_tap.py``: the gradient identity that reads output gradients inside compiled graphs.
+- ``_taps.py``: the tap that hands values and gradients to Python from compiled graphs.
 - ``_patches.py``: the one owner of every replaced attribute of torch or Python.
 """
 
@@ -23,7 +23,6 @@ from ._compile import (
     uncompiled,
     unwrap_parallel,
 )
-from ._grad_tap import close_tap, grad_tap, open_tap, taps_compile
 from ._patches import patched, use
 from ._points import (
     POINTS,
@@ -36,6 +35,7 @@ from ._points import (
     same_layout_copy,
 )
 from ._set import HookSet, live_handle_sets, live_handles, training_mode
+from ._taps import close_tap, open_tap, refill, tap, taps_compile
 
 __all__ = [
     "POINTS",
@@ -52,7 +52,6 @@ __all__ = [
     "eager_model",
     "eager_only",
     "forward_failed",
-    "grad_tap",
     "guard_module_hooks",
     "in_backward_recompute",
     "live_handle_sets",
@@ -61,7 +60,9 @@ __all__ = [
     "no_grad_in_model_message",
     "open_tap",
     "patched",
+    "refill",
     "same_layout_copy",
+    "tap",
     "taps_compile",
     "training_mode",
     "uncompiled",

@@ -54,7 +54,7 @@ def break_graph_for(what: str, verb: str) -> None:
     a graph cannot hold: Dynamo breaks the graph at this module (the model still compiles,
     around it), and under ``fullgraph=True``, where it may not, it refuses with this message
     instead of an internal error pointing into hookscope. (capture's ``grad_output`` needs
-    no hook there: it goes through the gradient identity, ``_grad_tap.py``.)"""
+    no hook there: it goes through the tap, ``_taps.py``.)"""
     if is_compiling():
         import torch._dynamo
 

@@ -5,9 +5,10 @@ A *site* is one place a value passes: a module's input, output, or the gradient 
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ from .._compat import is_compiling
 from .._tree import map_tensors, tensors
 from ._compile import guard_module_hooks, in_backward_recompute
 from ._set import HookSet
+from ._taps import close_tap, open_tap, refill_tensors, tap, taps_compile
 
 __all__ = [
     "CallClock",
@@ -81,6 +83,12 @@ class CallClock:
       checkpoint keeps the very tensors of the first pass alive and hands them over; a
       freed tensor's address proves nothing, the allocator hands it out again);
     - and the modules after a match follow the first pass's order from there.
+
+    Inside a compiled graph (the root traced with its hooks) nothing here may read a counter
+    that moves between passes: Dynamo would guard on it and compile again at every pass.
+    The pass starts at run time instead, through a tap on the root's first tensor argument
+    (``_taps.py``), and calls are counted while the graph is traced, in a dict the trace
+    itself makes (:meth:`next`): its counts are constants of that graph, the same at each run.
     """
 
     def __init__(self, hooks: HookSet, root: nn.Module) -> None:
@@ -88,7 +96,10 @@ class CallClock:
         # Grad mode the root's forward was called under while it runs, else None: tells
         # a torch.no_grad() of the user's from one inside the model.
         self.root_grad: bool | None = None
-        self._calls: dict[str, int] = defaultdict(int)
+        self._calls: dict[str, int] = {}
+        # Calls counted in traced code (next): the trace's own dict where the root's hooks
+        # are traced with it, else the eager pass's
+        self._traced: dict[str, int] = self._calls
         # (name, pass, call, storage key and weakref of the first tensor argument, autograd
         # sequence number when called)
         self._trail: deque[tuple[str, int, int, tuple | None, int, Any]] = deque(maxlen=1 << 16)
@@ -100,19 +111,44 @@ class CallClock:
         self._loop: Any = None
         hooks.on_remove(self._forget_loop)
         self._hooks = hooks
+        self._tick = open_tap(self._tick_at_run_time) if taps_compile() else None
+        if self._tick is not None:
+            hooks.on_remove(functools.partial(close_tap, self._tick))
         guard_module_hooks(hooks)
         hooks.forward_pre(root, self._root_called, prepend=True)
         hooks.forward(root, self._root_returned, always_call=True)
 
-    def _root_called(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _root_called(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if is_compiling():
+            self.root_grad = torch.is_grad_enabled()
+            self._traced = {}  # made by the trace: no guard on what it holds
+            return self._tick_in_graph(args, kwargs)
         guard_module_hooks(self._hooks)  # compiled since it was attached: guard the hooks
         if not in_backward_recompute():
             loop = _calling_method(module)
             if loop is None or loop is not self._loop:
-                self.pass_ += 1
-                self._calls.clear()
+                self._start_pass()
             self._loop = loop
             self.root_grad = torch.is_grad_enabled()
+        return None
+
+    def _start_pass(self) -> None:
+        self.pass_ += 1
+        self._calls = self._traced = {}
+
+    def _tick_in_graph(self, args: Any, kwargs: Any) -> Any:
+        """In a trace of the root: start the pass when the graph runs, through a tap on the
+        root's first tensor argument (a copy of it, which the root receives instead)."""
+        found = tensors((args, kwargs))
+        if self._tick is None or not found:  # nothing to tap: the trace counts (and guards)
+            self.pass_ += 1
+            return None
+        ticked = [tap(found[0], self._tick), *found[1:]]
+        return refill_tensors((args, kwargs), iter(ticked))
+
+    def _tick_at_run_time(self, form: Any, found: list[torch.Tensor]) -> None:
+        self._start_pass()
+        self._loop = None
 
     def _forget_loop(self) -> None:
         self._loop = None
@@ -123,12 +159,15 @@ class CallClock:
 
     def next(self, name: str, args: tuple[Any, ...] = ()) -> int:
         """Index of this call of ``name`` in the current pass (a first-pass call)."""
-        call = self._calls[name]
+        if is_compiling():  # counted by the trace (a constant of the graph); no trail
+            call = self._traced.get(name, 0)
+            self._traced[name] = call + 1
+            return call
+        call = self._calls.get(name, 0)
         self._calls[name] = call + 1
-        # A peek that numbers no node. Dynamo, tracing this hook, cannot read it: -1 matches none.
-        compiling = is_compiling()
-        seq = -1 if compiling else torch._C._autograd._get_sequence_nr()
-        first = None if compiling else next((a for a in args if isinstance(a, torch.Tensor)), None)
+        # A peek that numbers no node
+        seq = torch._C._autograd._get_sequence_nr()
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         ref = None if first is None else weakref.ref(_source(first) if _copies else first)
         self._trail.append((name, self.pass_, call, _storage_key(args), seq, ref))
         return call
