@@ -26,7 +26,7 @@ set -f  # test ids hold [params]: never globs
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
-COMPILED="tests/test_compile.py tests/test_compare.py tests/test_transfer.py"
+COMPILED="tests/test_compile.py tests/test_compiled_passes.py tests/test_compare.py tests/test_transfer.py"
 INTERNALS="tests/test_hooks.py tests/test_sites.py tests/test_pickle.py tests/test_guest.py
   tests/test_nonfinite.py tests/test_monitor.py tests/test_wiring.py
   tests/test_loss_and_clipping.py tests/test_attention.py"

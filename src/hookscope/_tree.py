@@ -25,6 +25,8 @@ def tensors(obj: Any) -> list[torch.Tensor]:
 def _collect(obj: Any, out: list[torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
+    elif obj is None or isinstance(obj, (bool, int, float, str)):
+        return  # a leaf (see map_tensors)
     elif isinstance(obj, (tuple, list)):
         for item in obj:
             _collect(item, out)
@@ -40,6 +42,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """``obj`` with every tensor replaced by ``fn(tensor)``; containers are rebuilt."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj  # a leaf; first: torch 2.9's Dynamo cannot ask None if it is a dataclass
     if isinstance(obj, tuple):
         items = [map_tensors(fn, item) for item in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)

@@ -86,6 +86,8 @@ def form(obj: Any) -> Any:
     that Dynamo folds into a constant while it traces."""
     if isinstance(obj, torch.Tensor):
         return ("t",)
+    if obj is None or type(obj) in (bool, int, float, str):  # first: torch 2.9's Dynamo
+        return ("v", obj)  # cannot ask a None whether it is a dataclass
     if isinstance(obj, (tuple, list)):
         return ("s", type(obj), tuple(form(item) for item in obj))
     if isinstance(obj, Mapping):
@@ -93,8 +95,6 @@ def form(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = tuple(f.name for f in dataclasses.fields(obj) if f.init)
         return ("d", type(obj), names, tuple(form(getattr(obj, n)) for n in names))
-    if obj is None or type(obj) in (bool, int, float, str):
-        return ("v", obj)
     return ("v", None)
 
 
