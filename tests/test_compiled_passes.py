@@ -163,3 +163,34 @@ def test_a_capture_of_a_compiled_gpt2_called_with_keywords_keeps_its_structures(
         assert got._pass == want._pass == 3
     assert isinstance(cap["transformer"].output.last_hidden_state, torch.Tensor)
     assert_no_hooks(model)
+
+
+@pytest.mark.parametrize("capture_first", [True, False])
+def test_a_capture_in_a_compiled_graph_sees_the_edit_whatever_the_order(
+    capture_first: bool,
+) -> None:
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 4)
+    verbs = [
+        lambda: hs.capture(model, "0", ("output", "grad_output")),
+        lambda: hs.intervene(model, {"0": lambda value, site: value * 3}),
+    ]
+    first, second = verbs if capture_first else verbs[::-1]
+    with first() as a, second() as b:
+        cap = a if capture_first else b
+        for _ in range(3):
+            compiled(x).sum().backward()
+    torch.testing.assert_close(cap["0"].output, 3 * F.linear(x, model[0].weight, model[0].bias))
+    assert cap["0"].grad_output[0] is not None
+    assert len(cap.all("0")) == 1
+
+
+def test_output_gradients_asked_of_a_compiled_pass_under_no_grad_warn_as_eager() -> None:
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.warns(hs.NoGradWarning, match=r"torch.no_grad\(\)"):
+        with hs.capture(model, "*", ("output", "grad_output")) as cap, torch.no_grad():
+            compiled(torch.randn(3, 4))
+    assert cap["2"].output.shape == (3, 2)
+    assert cap["2"].grad_output is None
