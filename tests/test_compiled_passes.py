@@ -194,3 +194,16 @@ def test_output_gradients_asked_of_a_compiled_pass_under_no_grad_warn_as_eager()
             compiled(torch.randn(3, 4))
     assert cap["2"].output.shape == (3, 2)
     assert cap["2"].grad_output is None
+
+
+def test_the_tap_ops_are_kept_out_of_cuda_graphs() -> None:
+    """A CUDA graph replays kernels without the Python the taps call: Inductor's
+    ``reduce-overhead`` must leave them out (they are tagged; torch 2.9 has the tag)."""
+    if not hasattr(torch.Tag, "cudagraph_unsafe"):
+        pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag (2.9+)")
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with hs.capture(model, "0", ("output", "grad_output")):
+        compiled(torch.randn(3, 4)).sum().backward()
+    for op in (torch.ops.hookscope.tap.default, torch.ops.hookscope.tap_grads.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags

@@ -101,14 +101,22 @@ def force_eager() -> contextlib.AbstractContextManager[None]:
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
-def custom_op(name: str, *, mutates_args: tuple[str, ...] = ()) -> Callable[..., Any]:
+def custom_op(
+    name: str, *, mutates_args: tuple[str, ...] = (), python_side_effects: bool = False
+) -> Callable[..., Any]:
     """``torch.library.custom_op`` for a function in a module with
     ``from __future__ import annotations``: torch 2.4 infers the op's schema from the
-    annotations as objects and refuses strings, so they are resolved first."""
+    annotations as objects and refuses strings, so they are resolved first.
+
+    ``python_side_effects``: the op calls back into Python at run time, which a CUDA graph
+    replay would skip: tagged ``cudagraph_unsafe`` (torch 2.9+), Inductor leaves it out of
+    its CUDA graphs (``mode="reduce-overhead"``)."""
+    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None) if python_side_effects else None
+    tags = {} if unsafe is None else {"tags": (unsafe,)}
 
     def define(fn: Callable[..., Any]) -> Any:
         fn.__annotations__ = typing.get_type_hints(fn)
-        return torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+        return torch.library.custom_op(name, mutates_args=mutates_args, **tags)(fn)
 
     return define
 

@@ -20,6 +20,9 @@ Slots are process-wide and never reused: a compiled graph keeps the slot it was 
 and one that runs after its verb closed finds no callback and keeps nothing. The registry
 holds a verb's callbacks only between :func:`open_tap` and :func:`close_tap`.
 
+Both ops are tagged ``cudagraph_unsafe`` (torch 2.9+): a CUDA graph replays kernels without
+the Python, so Inductor's ``mode="reduce-overhead"`` leaves them out of its CUDA graphs.
+
 Torch releases: custom ops with an autograd formula from 2.4, but the compiled path is the
 Monitor's (:data:`~hookscope._compat.MONITOR_FLOOR`, tested on 2.7 and newer); older releases
 read in the traced hooks as before (:func:`taps_compile`).
@@ -167,7 +170,7 @@ def _grads(found: list[torch.Tensor], slot: int, indices: list[int]) -> None:
 
 
 def _define() -> Any:
-    @custom_op("hookscope::tap", mutates_args=())
+    @custom_op("hookscope::tap", python_side_effects=True)
     def tap_op(xs: list[torch.Tensor], slot: int, number: int) -> list[torch.Tensor]:
         _values(xs, slot, number)
         return [x.clone() for x in xs]  # a custom op may not return an alias of its input
@@ -176,7 +179,7 @@ def _define() -> Any:
     def _(xs: list[torch.Tensor], slot: int, number: int) -> list[torch.Tensor]:
         return [torch.empty_like(x) for x in xs]
 
-    @custom_op("hookscope::tap_grads", mutates_args=())
+    @custom_op("hookscope::tap_grads", python_side_effects=True)
     def tap_grads(gs: list[torch.Tensor], slot: int, indices: list[int]) -> list[torch.Tensor]:
         _grads(gs, slot, indices)
         return [g.clone() for g in gs]
