@@ -12,6 +12,8 @@ backward traced too) under ``fullgraph=True``.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -207,3 +209,19 @@ def test_the_tap_ops_are_kept_out_of_cuda_graphs() -> None:
         compiled(torch.randn(3, 4)).sum().backward()
     for op in (torch.ops.hookscope.tap.default, torch.ops.hookscope.tap_grads.default):
         assert torch.Tag.cudagraph_unsafe in op.tags
+
+
+def test_an_unclosed_capture_of_a_dropped_compiled_model_is_not_kept_by_the_taps() -> None:
+    """The taps' registry is the process's: it holds a verb's callbacks weakly, so a capture
+    never closed goes with its model (once Dynamo's cache lets the compiled code go)."""
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    cap = hs.capture(model, "*", ("input", "output", "grad_output"))
+    compiled(torch.randn(3, 4)).sum().backward()
+    assert len(cap) == 3
+    model_ref, cap_ref = weakref.ref(model), weakref.ref(cap)
+    del model, compiled, cap
+    torch._dynamo.reset()
+    gc.collect()
+    assert model_ref() is None
+    assert cap_ref() is None

@@ -111,7 +111,9 @@ class CallClock:
         self._loop: Any = None
         hooks.on_remove(self._forget_loop)
         self._hooks = hooks
-        self._tick = open_tap(self._tick_at_run_time) if taps_compile() else None
+        # by a weak reference: the registry is the process's, the clock is not
+        tick = functools.partial(_tick_at_run_time, weakref.ref(self))
+        self._tick = open_tap(tick) if taps_compile() else None
         if self._tick is not None:
             hooks.on_remove(functools.partial(close_tap, self._tick))
         guard_module_hooks(hooks)
@@ -145,10 +147,6 @@ class CallClock:
             return None
         ticked = [tap(found[0], self._tick), *found[1:]]
         return refill_tensors((args, kwargs), iter(ticked))
-
-    def _tick_at_run_time(self, form: Any, found: list[torch.Tensor]) -> None:
-        self._start_pass()
-        self._loop = None
 
     def _forget_loop(self) -> None:
         self._loop = None
@@ -219,6 +217,14 @@ class CallClock:
         pass_ = trail[first][1]
         calls = [i for i, e in enumerate(trail) if e[1] == pass_ and e[0] == name]
         return calls[0] if len(calls) == 1 and trail[calls[0]][4] > made else None
+
+
+def _tick_at_run_time(ref: weakref.ref[CallClock], form: Any, found: list[torch.Tensor]) -> None:
+    """A compiled root was called: its pass starts (the tap on its first tensor argument)."""
+    clock = ref()
+    if clock is not None:
+        clock._start_pass()
+        clock._loop = None
 
 
 # Frames of torch's module-call machinery, between a pre-hook and whoever called the module
