@@ -14,8 +14,6 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from torch import nn
 
 import hookscope as hs
 from hookscope.testing import assert_no_hooks, assert_torch_untouched
-from models import gpt2, token_ids
+from models import Counting, gpt2, token_ids
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:hookscope.*traced again:hookscope.HookscopeWarning"),
@@ -33,24 +31,6 @@ pytestmark = [
 ]
 
 PASSES = 12  # past Dynamo's recompile limit (8)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-class Counting:
-    """A Dynamo backend that counts the graphs it is given and runs them as they are."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        self.graphs += 1
-        return gm.forward
 
 
 def mlp() -> nn.Sequential:
@@ -198,11 +178,10 @@ def test_output_gradients_asked_of_a_compiled_pass_under_no_grad_warn_as_eager()
     assert cap["2"].grad_output is None
 
 
+@pytest.mark.requires_torch("2.9", reason="the cudagraph_unsafe tag")
 def test_the_tap_ops_are_kept_out_of_cuda_graphs() -> None:
     """A CUDA graph replays kernels without the Python the taps call: Inductor's
-    ``reduce-overhead`` must leave them out (they are tagged; torch 2.9 has the tag)."""
-    if not hasattr(torch.Tag, "cudagraph_unsafe"):
-        pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag (2.9+)")
+    ``reduce-overhead`` must leave them out (they are tagged)."""
     model = mlp()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     with hs.capture(model, "0", ("output", "grad_output")):

@@ -9,7 +9,7 @@ counts the graphs Dynamo hands it (and runs them as they are).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ import torch._dynamo
 from torch import nn
 
 import hookscope as hs
-from models import gpt2, token_ids
+from models import Counting, gpt2, token_ids
 
 pytestmark = [
     # Dynamo's own warnings under the project's "error" filter (see test_compile.py)
@@ -32,17 +32,6 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-class Counting:
-    """A Dynamo backend that counts the graphs it is given and runs them as they are."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        self.graphs += 1
-        return gm.forward
 
 
 def graphs_per_step(every: int | None, steps: int) -> tuple[list[int], list[dict[str, Any]]]:
