@@ -8,14 +8,13 @@ releases of transformers, a tensor in newer ones), laid out ``[N, T, ...]``.
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._hooks import HookSet
+from .._hooks import CallClock, HookSet
 from .._tree import describe, map_tensors
 
 __all__ = [
@@ -110,15 +109,13 @@ def attach(
 ) -> None:
     """Call ``fn((name, call), value)`` at the value of each module in ``hooked``: its first
     positional input where ``hooked[name]``, else its output's first tensor. A tensor that
-    ``fn`` returns replaces the value. Calls are counted from each call of ``model``."""
-    calls: dict[str, int] = defaultdict(int)
-    hooks.forward_pre(model, lambda *_: calls.clear(), prepend=True)
+    ``fn`` returns replaces the value. Calls are counted per forward pass of ``model`` by
+    the hook layer's clock, as capture and intervene count them (``Site.call``)."""
+    clock = CallClock(hooks, model)
     modules = dict(model.named_modules())
 
     def on_value(name: str, value: torch.Tensor) -> torch.Tensor | None:
-        call = calls[name]
-        calls[name] = call + 1
-        return fn((name, call), value)
+        return fn((name, clock.next(name)), value)
 
     for name, at_input in hooked.items():
         if at_input:
