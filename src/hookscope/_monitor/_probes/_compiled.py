@@ -182,12 +182,15 @@ class CompiledProbes:
         return found
 
     # -- at the step's end, eagerly ----------------------------------------------------------
-    @torch.no_grad()
     def drain(self, buf: StepBuffer) -> None:
         """Put what the graphs wrote since the last drain into ``buf`` (one tensor, moved
-        with the step's transfer), and start over."""
-        if not self.ran:
-            return
+        with the step's transfer), and start over. (Nothing to do, and no ``no_grad`` to
+        enter, where no graph ran: every eager step, twice.)"""
+        if self.ran:
+            self._drain(buf)
+
+    @torch.no_grad()
+    def _drain(self, buf: StepBuffer) -> None:
         self.ran = False
         grad = self.probe.grad if self.probe.grad is not None else torch.zeros_like(self.probe)
         buf.set(KEY, torch.cat([self.acc[:-1].reshape(-1), grad.reshape(-1).float()]))

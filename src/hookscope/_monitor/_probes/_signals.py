@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -202,6 +203,10 @@ class WeightNorms:
             indices.append(i)
             tensors.append((p, max(1, -(-shard.numel() // WEIGHT_SAMPLE))))
         self._kinds = list(kinds.values())
+        # per kind, (position in its stacked norms, group) of each parameter
+        self._pairs = [
+            tuple((j, self.group[i]) for j, i in enumerate(indices)) for indices, _ in self._kinds
+        ]
         self._params = [[p for p, _ in tensors] for _, tensors in self._kinds]
         # no DTensor among them: each is its own shard (no ``local`` per parameter and step)
         self._plain = [all(local(p) is p for p in params) for params in self._params]
@@ -237,16 +242,27 @@ class WeightNorms:
                 buf.set(("weights", k), values)
 
     def read(self, host: Host) -> dict[str, float]:
+        """The step's norms, summed per group."""
+        return self.read_later(host).get()
+
+    def read_later(self, host: Host) -> _Sums:
+        """The step's norms, summed per group when first asked (:class:`_Sums`)."""
         self._measured = False
-        sums: dict[str, float] = {}
-        for k, (indices, _) in enumerate(self._kinds):
+        parts = []
+        for k, pairs in enumerate(self._pairs):
             values = host.get(("weights", k))
             if values:
-                group = self.group
-                for i, value in zip(indices, values, strict=False):
-                    g = group[i]
-                    sums[g] = sums[g] + value if g in sums else value
-        return sums
+                parts.append((values, pairs if len(values) >= len(pairs) else pairs[: len(values)]))
+        return _Sums(parts, square=False)
+
+
+class _Grouping(NamedTuple):
+    """The parameters of one gradient reading that have a group: ``rows`` ``(position,
+    parameter, group)``; ``pairs`` ``(position, group)``; their ``positions``."""
+
+    rows: tuple[tuple[int, str, str], ...]
+    pairs: tuple[tuple[int, str], ...]
+    positions: list[int]
 
 
 @dataclass(frozen=True)
@@ -271,14 +287,53 @@ class _Verdict:
     top: float | None
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One step of the window."""
+class _Sums:
+    """Per group, the sum of one step's per-parameter numbers (of their squares, then its
+    square root: an L2 norm, with ``square``), made when first asked. Only a spike reads a
+    group's norms (:meth:`SpikeWatch._leader`, the window it logs): every other step keeps
+    the lists its transfer brought, as they came, and sums nothing.
 
-    step: int
-    scalars: dict[str, float]
-    grads: dict[str, float]  # per group: L2 norm of its gradients before the update
-    weights: dict[str, float]  # per group: L1 norm of its weights before the update
+    ``parts``: host lists, each with the ``(position, group)`` of the numbers that count, in
+    the order they are summed (the order of the parameters: the same floats as a sum made
+    at once)."""
+
+    __slots__ = ("_parts", "_square", "_sums")
+
+    def __init__(
+        self, parts: list[tuple[list[float], Sequence[tuple[int, str]]]], *, square: bool
+    ) -> None:
+        self._parts, self._square = parts, square
+        self._sums: dict[str, float] | None = None
+
+    def get(self) -> dict[str, float]:
+        if self._sums is None:
+            sums: dict[str, float] = {}
+            for values, pairs in self._parts:
+                for i, g in pairs:
+                    value = values[i] ** 2 if self._square else values[i]
+                    sums[g] = sums[g] + value if g in sums else value
+            self._sums = {g: math.sqrt(v) for g, v in sums.items()} if self._square else sums
+            self._parts = []
+        return self._sums
+
+
+class _Row:
+    """One step of the window: its scalars, and per group the L2 norm of its gradients and
+    the L1 norm of its weights before the update (summed when first read: :class:`_Sums`)."""
+
+    __slots__ = ("_grads", "_weights", "scalars", "step")
+
+    def __init__(self, step: int, scalars: dict[str, float], grads: _Sums, weights: _Sums):
+        self.step, self.scalars = step, scalars
+        self._grads, self._weights = grads, weights
+
+    @property
+    def grads(self) -> dict[str, float]:
+        return self._grads.get()
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return self._weights.get()
 
 
 class SpikeWatch:
@@ -315,9 +370,9 @@ class SpikeWatch:
         self._rows: deque[_Row] = deque(maxlen=self.n + self.lead_max + 1)
         self._losses: deque[float] = deque(maxlen=self.n)
         # this step's readings of gradient norms: (first flag, its parameters' groups)
-        self._blocks: list[tuple[int, tuple[tuple[int, str, str], ...]]] = []
-        self._grouping: dict[tuple[str, ...], tuple[tuple[int, str, str], ...]] = {}
-        self._read: tuple[dict[str, float], float | None] | None = None  # ``_squares``
+        self._blocks: list[tuple[int, _Grouping]] = []
+        self._grouping: dict[tuple[str, ...], _Grouping] = {}
+        self._read: tuple[_Sums, float | None] | None = None  # ``_gradients``
         self._spiking = False
 
     def flags(self, start: int, params: Sequence[str]) -> None:
@@ -327,48 +382,50 @@ class SpikeWatch:
         self._blocks.append((start, self._grouped(params)))
         self._read = None
 
-    def _grouped(self, params: Sequence[str]) -> tuple[tuple[int, str, str], ...]:
-        """``(position, parameter, group)`` of the parameters among ``params`` that have a
-        group, cached per list of names (an optimizer reads the same ones every step)."""
+    def _grouped(self, params: Sequence[str]) -> _Grouping:
+        """The parameters among ``params`` that have a group, cached per list of names (an
+        optimizer reads the same ones every step)."""
         names = tuple(params)
         found = self._grouping.get(names)
         if found is None:
             group = self.group
-            found = tuple((i, p, group[p]) for i, p in enumerate(names) if p in group)
+            rows = tuple((i, p, group[p]) for i, p in enumerate(names) if p in group)
+            found = _Grouping(rows, tuple((i, g) for i, _, g in rows), [i for i, _, _ in rows])
             if len(self._grouping) > 64:
                 self._grouping.clear()
             self._grouping[names] = found
         return found
 
-    def _squares(self, host: Host) -> tuple[dict[str, float], float | None]:
-        """Per group, the sum of squares of its gradients' norms read this step, and the
-        sum over all (``None`` when no gradient was read); asked once a step."""
+    def _gradients(self, host: Host) -> tuple[_Sums, float | None]:
+        """Per group, the L2 norm of its gradients read this step (summed when a spike asks,
+        :class:`_Sums`), and the sum of squares over all (``None`` when no gradient was
+        read); asked once a step."""
         if self._read is not None:
             return self._read
         blocks = self._blocks
-        squares: dict[str, float] = {}
-        total, any_read = 0.0, False
+        total = 0.0
         whole = host.get(("block", "flag", blocks[0][0])) if len(blocks) == 1 else None
         if whole is not None:  # the one reading, moved as one list (``StepBuffer``)
-            for i, _, group in blocks[0][1]:
-                square = whole[i] ** 2
-                squares[group] = squares[group] + square if group in squares else square
-                total += square
-            self._read = (squares, total if blocks[0][1] else None)
+            grouping = blocks[0][1]
+            for i in grouping.positions:
+                total += whole[i] ** 2
+            read = _Sums([(whole, grouping.pairs)], square=True)
+            self._read = (read, total if grouping.positions else None)
             return self._read
         if len(blocks) > 1:  # read again: the last reading of each parameter counts
-            last = {p: (start + i, g) for start, grouped in blocks for i, p, g in grouped}
+            last = {p: (start + i, g) for start, grouped in blocks for i, p, g in grouped.rows}
             rows = [(index, g) for index, g in last.values()]
         else:
-            rows = [(start + i, g) for start, grouped in blocks for i, _, g in grouped]
+            rows = [(start + i, g) for start, grouped in blocks for i, _, g in grouped.rows]
+        values: list[float] = []
+        pairs: list[tuple[int, str]] = []
         for index, group in rows:
             value = host.get(("flag", index))
             if value is not None:
-                square = value[0] ** 2
-                squares[group] = squares[group] + square if group in squares else square
-                total += square
-                any_read = True
-        self._read = (squares, total if any_read else None)
+                pairs.append((len(values), group))
+                values.append(value[0])
+                total += value[0] ** 2
+        self._read = (_Sums([(values, pairs)], square=True), total if values else None)
         return self._read
 
     def weights(self, buf: StepBuffer) -> None:
@@ -377,17 +434,16 @@ class SpikeWatch:
 
     def total(self, host: Host) -> float | None:
         """The L2 norm of every gradient read this step (``None`` when none was)."""
-        total = self._squares(host)[1]
+        total = self._gradients(host)[1]
         return None if total is None else math.sqrt(total)
 
     def observe(self, step: int, scalars: dict[str, float], host: Host) -> Spike | None:
         """Add one step to the window; the spike that starts at it, if any."""
-        squares = self._squares(host)[0]
-        grads = {group: math.sqrt(square) for group, square in squares.items()}
+        grads = self._gradients(host)[0]
         self._blocks, self._read = [], None
         loss = scalars.get("loss")
         verdict = None if loss is None else self._judge(loss)
-        self._rows.append(_Row(step, dict(scalars), grads, self._weights.read(host)))
+        self._rows.append(_Row(step, dict(scalars), grads, self._weights.read_later(host)))
         if loss is not None:
             self._losses.append(loss)
         spiking = verdict is not None
