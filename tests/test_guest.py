@@ -251,6 +251,63 @@ def test_another_models_backward_before_an_lbfgs_step_is_not_this_steps_pass() -
     assert not [f for f in mon.findings if f.kind == "stale_gradients"]
 
 
+def nan_at_step_2(model: nn.Module, edit: Callable[[int], bool] = lambda step: False) -> hs.Monitor:
+    """Four SGD steps under a Monitor; step 2's input holds a NaN unless ``edit(step)``
+    (called at each step's start) says it makes one instead."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    with hs.Monitor(model, every=None, on_nonfinite="log") as mon:
+        for step in range(4):
+            made = edit(step)
+            x = torch.randn(3, 4, generator=gen)
+            if step == 2 and not made:
+                x[0, 0] = float("nan")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    return mon
+
+
+def test_a_capture_keeps_none_of_the_passes_the_monitor_replays() -> None:
+    """The Monitor re-runs a step with a NaN to find the op that made it: those forwards are
+    hookscope's, not the user's, and a capture open meanwhile recorded them as passes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    outputs: list[torch.Tensor] = []
+    model[2].register_forward_hook(lambda m, a, out: outputs.append(out.detach().clone()))
+    with hs.capture(model, "2", keep="all") as cap:
+        mon = nan_at_step_2(model)
+    assert any(f.kind == "nonfinite" and f.step == 2 for f in mon.findings)
+    assert len(outputs) > 4  # the replay ran the model (the user's own hook heard it)
+    kept = cap.all("2")
+    assert len(kept) == 4
+    for record, out in zip(kept, outputs[:3] + outputs[-1:], strict=True):
+        torch.testing.assert_close(record.output, out, equal_nan=True)
+
+
+def test_an_intervention_edits_the_monitors_replay_as_it_edited_the_step() -> None:
+    """...while an intervention's edits run in the replay: it must make what the step made
+    (here the NaN itself), or the replay cannot say where it came from."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    poison = [False]
+
+    def edit(value: torch.Tensor, site: hs.Site) -> torch.Tensor:
+        return value.index_fill(1, torch.tensor([3]), float("nan")) if poison[0] else value
+
+    def at_step(step: int) -> bool:
+        poison[0] = step == 2
+        return poison[0]
+
+    with hs.intervene(model, {"0": edit}):
+        mon = nan_at_step_2(model, at_step)
+    found = [str(f) for f in mon.findings if f.kind == "nonfinite" and f.step == 2]
+    assert any(
+        "aten.index_fill" in text and "made NaN from finite inputs" in text for text in found
+    )
+
+
 @pytest.mark.parametrize("every", [1, 10])
 def test_the_loss_is_heard_when_the_loop_changes_the_output_in_place(every: int) -> None:
     torch.manual_seed(0)

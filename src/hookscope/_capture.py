@@ -31,6 +31,7 @@ from ._hooks import (
     eager_model,
     forward_failed,
     in_backward_recompute,
+    is_replaying,
     no_grad_in_model_message,
     open_tap,
     refill,
@@ -197,6 +198,8 @@ class Capture:
         return None if slot is None else tap(output, slot)
 
     def _inputs_ran(self, name: str, form: int, found: list[torch.Tensor]) -> None:
+        if is_replaying():
+            return
         record = Record(name, self._clock.next(name), self._clock.pass_)
         record.input, record.kwargs = refill(form, [self._graph_kept(t) for t in found])
         if (name, "output", True) in self._slots:
@@ -205,6 +208,8 @@ class Capture:
             self._store(name, record)
 
     def _outputs_ran(self, name: str, grad: bool, form: int, found: list[torch.Tensor]) -> None:
+        if is_replaying():
+            return
         opened = self._open[name]
         record = (
             opened.pop()
@@ -233,6 +238,8 @@ class Capture:
     def _pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self._in_graph and is_compiling():
             return self._tap_inputs(name, args, kwargs)
+        if is_replaying():  # hookscope re-running a step: not a pass of the user's
+            return None
         if in_backward_recompute():
             # A checkpoint or reversible layer re-runs forward: never a new record. If the
             # first run had no autograd, this run carries the gradients: attach them.
@@ -274,6 +281,8 @@ class Capture:
     def _post(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         if self._in_graph and is_compiling():
             return self._tap_outputs(name, output)
+        if is_replaying():
+            return None
         record = self._open[name].pop() if self._uses_pre and self._open[name] else None
         if forward_failed(output):
             return None

@@ -31,7 +31,9 @@ from ._points import (
     alias_grad_inputs,
     alias_grad_outputs,
     forward_failed,
+    is_replaying,
     no_grad_in_model_message,
+    replaying,
     same_layout_copy,
 )
 from ._set import HookSet, live_handle_sets, live_handles, training_mode
@@ -54,6 +56,7 @@ __all__ = [
     "forward_failed",
     "guard_module_hooks",
     "in_backward_recompute",
+    "is_replaying",
     "live_handle_sets",
     "live_handles",
     "live_objects",
@@ -61,6 +64,7 @@ __all__ = [
     "open_tap",
     "patched",
     "refill",
+    "replaying",
     "same_layout_copy",
     "tap",
     "taps_compile",

@@ -5,10 +5,13 @@ A *site* is one place a value passes: a module's input, output, or the gradient 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import threading
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +30,9 @@ __all__ = [
     "alias_grad_inputs",
     "alias_grad_outputs",
     "forward_failed",
+    "is_replaying",
     "no_grad_in_model_message",
+    "replaying",
     "same_layout_copy",
 ]
 
@@ -225,6 +230,28 @@ def _tick_at_run_time(ref: weakref.ref[CallClock], form: Any, found: list[torch.
     if clock is not None:
         clock._start_pass()
         clock._loop = None
+
+
+_replays = threading.local()
+
+
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """While hookscope itself re-runs a step of the model on this thread (the Monitor's
+    replay, which finds the op that made a NaN): the verbs' hooks run, so an intervention
+    edits as it did in the step and the replay makes what the step made, but what records
+    passes keeps none of the replay's (a capture holds only the passes the user's code ran)."""
+    depth = getattr(_replays, "depth", 0)
+    _replays.depth = depth + 1
+    try:
+        yield
+    finally:
+        _replays.depth = depth
+
+
+def is_replaying() -> bool:
+    """Inside :func:`replaying` on this thread (eager: never asked in traced code)."""
+    return getattr(_replays, "depth", 0) > 0
 
 
 # Frames of torch's module-call machinery, between a pre-hook and whoever called the module

@@ -34,6 +34,7 @@ from ..._hooks import (
     compiled_wrappers,
     eager_only,
     in_backward_recompute,
+    replaying,
     same_layout_copy,
 )
 from ..._tree import map_tensors, tensors
@@ -389,7 +390,7 @@ def replay(
     replay starts from the Python state the tape read before the step (modules that count
     their calls). ``changed`` gets the modules whose own attributes the replay changed (by
     qualified name, with the attributes' names): state the step cannot be re-run without."""
-    with _preserved(model, changed):
+    with _preserved(model, changed), replaying():
         if calls and calls[0].state is not None:
             restore_state(calls[0].state)  # the modules' own state before the step
         for call in calls:
