@@ -288,7 +288,8 @@ def test_a_capture_keeps_none_of_the_passes_the_monitor_replays() -> None:
 
 def test_an_intervention_edits_the_monitors_replay_as_it_edited_the_step() -> None:
     """...while an intervention's edits run in the replay: it must make what the step made
-    (here the NaN itself), or the replay cannot say where it came from."""
+    (here the NaN itself), or the replay cannot say where it came from; and what an edit of
+    a module's output makes is made in that module."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     poison = [False]
@@ -302,10 +303,11 @@ def test_an_intervention_edits_the_monitors_replay_as_it_edited_the_step() -> No
 
     with hs.intervene(model, {"0": edit}):
         mon = nan_at_step_2(model, at_step)
-    found = [str(f) for f in mon.findings if f.kind == "nonfinite" and f.step == 2]
-    assert any(
-        "aten.index_fill" in text and "made NaN from finite inputs" in text for text in found
-    )
+    found = [f for f in mon.findings if f.kind == "nonfinite" and f.step == 2]
+    # made by the edit of '0''s output, in '0' (not in its parent: the edit runs after the
+    # global module hooks, where the replay's tracer used to leave '0')
+    assert found[0].module == "0"
+    assert "aten.index_fill in '0' made NaN from finite inputs" in str(found[0])
 
 
 @pytest.mark.parametrize("every", [1, 10])

@@ -367,7 +367,8 @@ def trace(
     containers = {n for n, m in model.named_modules() if next(iter(m.children()), None)}
     origin, outputs = None, []
     runs_ = replay(model, calls, changed=changed)
-    with closing(runs_) as runs, _Tracer(names, containers, suspect) as tracer:
+    tracer_ = _Tracer(names, containers, suspect, list(model.modules()))
+    with closing(runs_) as runs, tracer_ as tracer:
         for output, backward in runs:
             outputs.append(output)
             origin = tracer.forward_done(output)
@@ -447,9 +448,16 @@ def _preserved(model: nn.Module, changed: list[tuple[str, list[str]]] | None) ->
 class _Tracer(TorchDispatchMode):
     """Follows each non-finite tensor back to the op that first made it from finite inputs."""
 
-    def __init__(self, names: dict[int, str], containers: set[str], suspect: str | None) -> None:
+    def __init__(
+        self,
+        names: dict[int, str],
+        containers: set[str],
+        suspect: str | None,
+        modules: list[nn.Module],
+    ) -> None:
         super().__init__()
         self.names, self.containers, self.suspect = names, containers, suspect
+        self._modules = modules
         # The modules running now, innermost last; None for one that is not the model's (made
         # on the fly in a forward): its ops belong to the model's module that called it.
         self.stack: list[str | None] = []
@@ -460,24 +468,37 @@ class _Tracer(TorchDispatchMode):
         self._origin: dict[int, tuple[weakref.ref, Origin]] = {}
         self._pending: list[tuple[weakref.ref, Origin]] = []
         self._handles: list[Any] = []
+        self._hooks = HookSet("nonfinite trace")
 
     def __enter__(self) -> _Tracer:
         mm = torch.nn.modules.module
         self._handles = [
             mm.register_module_forward_pre_hook(self._enter_module),
-            mm.register_module_forward_hook(self._exit_module, always_call=True),
+            mm.register_module_forward_hook(self._exit_made, always_call=True),
         ]
+        # A model's module is left after its own forward hooks (global hooks run before
+        # them): what an edit of its output makes there (an intervention, a hook of the
+        # user's) is made in that module, not in its parent
+        with self._hooks.attaching():
+            for module in self._modules:
+                self._hooks.forward(module, self._exit_module, always_call=True)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
             handle.remove()
+        self._hooks.remove()
         super().__exit__(*exc)
 
     def _enter_module(self, module: nn.Module, args: Any) -> None:
         self.stack.append(self.names.get(id(module)))
 
-    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit_made(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A module made on the fly in a forward (no hook of its own) is left here."""
+        if id(module) not in self.names and self.stack:
+            self.stack.pop()
+
+    def _exit_module(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not self.stack:
             return
         name = self.stack.pop()
