@@ -50,7 +50,9 @@ class Site:
             ``generate()`` call, or any loop of the model's own methods calling it, is one
             pass: its prompt is call 0 of a block, each new token the next). When activation
             checkpointing re-runs the forward during backward, the index of the first-pass
-            call being repeated (``-1`` in the rare case it cannot be told).
+            call being repeated (``-1`` in the rare case it cannot be told). Inside a
+            compiled graph, the index the call had when the graph was traced (the same at
+            every run of it); each compiled call of the root is a pass of its own.
         at: ``"input"``, ``"output"``, ``"grad_input"`` or ``"grad_output"``.
         index: For gradient sites, which tensor (position in ``grad_input`` / ``grad_output``)
             the gradient belongs to; ``None`` otherwise.
