@@ -221,25 +221,26 @@ class WeightNorms:
         if self._measured:
             return  # a second optimizer of the step: its update is not the step's first
         self._measured = True
-        with torch.no_grad():  # views of the weights, nothing to detach
-            for k, (_, tensors) in enumerate(self._kinds):
-                params = self._params[k]
-                shards = params if self._plain[k] else [local(p) for p in params]
-                where = [t.data_ptr() for t in shards]
-                cached = self._views[k]
-                if cached is None or cached[0] != where:
+        for k, (_, tensors) in enumerate(self._kinds):
+            params = self._params[k]
+            shards = params if self._plain[k] else [local(p) for p in params]
+            where = [t.data_ptr() for t in shards]
+            cached = self._views[k]
+            if cached is None or cached[0] != where:
+                with torch.no_grad():  # views of the weights, nothing to detach
                     flat = [t.reshape(-1) for t in shards]  # a copy where not contiguous
                     views = [
                         x if n == 1 else x[::n] for x, (_, n) in zip(flat, tensors, strict=True)
                     ]
-                    cached = (where, views)
-                    contiguous = all(t.is_contiguous() for t in shards)
-                    self._views[k] = cached if contiguous else None
-                views = cached[1]
-                values = self._norms[k](views)  # None: a sample view to stack is strided
-                if values is None:
+                cached = (where, views)
+                contiguous = all(t.is_contiguous() for t in shards)
+                self._views[k] = cached if contiguous else None
+            views = cached[1]  # (``Norms`` reads them under ``no_grad``)
+            values = self._norms[k](views)  # None: a sample view to stack is strided
+            if values is None:
+                with torch.no_grad():
                     values = torch.stack(norms(views, 1))
-                buf.set(("weights", k), values)
+            buf.set(("weights", k), values)
 
     def read(self, host: Host) -> dict[str, float]:
         """The step's norms, summed per group."""
