@@ -42,7 +42,7 @@ from .._tree import map_tensors, tensors
 
 __all__ = ["close_tap", "form", "open_tap", "refill", "refill_tensors", "tap", "taps_compile"]
 
-Values = Callable[[Any, list[torch.Tensor]], None]  # (the form, the tensors)
+Values = Callable[[int, list[torch.Tensor]], None]  # (the form's number, the tensors)
 Grads = Callable[[int, torch.Tensor], None]  # (the tensor's index, its gradient)
 
 _CALLBACKS: dict[int, tuple[Values | None, Grads | None]] = {}
