@@ -147,6 +147,11 @@ def test_a_capture_of_a_compiled_gpt2_called_with_keywords_keeps_its_structures(
     assert_no_hooks(model)
 
 
+@pytest.mark.requires_torch(
+    "2.10",
+    reason="Dynamo 2.9 raises IndexError building its guards on two verbs' hooks on one root "
+    "(seen on 2.9.1, on the tree before the tap too; passes on 2.13 and 2.14)",
+)
 @pytest.mark.parametrize("capture_first", [True, False])
 def test_a_capture_in_a_compiled_graph_sees_the_edit_whatever_the_order(
     capture_first: bool,
