@@ -109,11 +109,14 @@ class StepRecord:
     def to_dict(self) -> dict[str, Any]:
         """The record as a dict that shares its values (each step builds them afresh;
         ``asdict``'s deep copy of every statistic cost ~4 % of a GPT-2 step at every=1)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {name: getattr(self, name) for name in _STEP_FIELDS}
         if not self.sampled:
             for group in ("act", "grad", "param", "bn", "precision", "attn", "grad_order"):
                 del out[group]
         return out
+
+
+_STEP_FIELDS = tuple(f.name for f in fields(StepRecord))  # once: fields() walks the class
 
 
 @dataclass
