@@ -306,6 +306,15 @@ class _Sums:
         self._parts, self._square = parts, square
         self._sums: dict[str, float] | None = None
 
+    @classmethod
+    def made(cls, sums: _Sums | dict[str, float]) -> _Sums:
+        """``sums`` itself, or sums already made (a window built by hand)."""
+        if isinstance(sums, _Sums):
+            return sums
+        made = cls([], square=False)
+        made._sums = sums
+        return made
+
     def get(self) -> dict[str, float]:
         if self._sums is None:
             sums: dict[str, float] = {}
@@ -324,9 +333,15 @@ class _Row:
 
     __slots__ = ("_grads", "_weights", "scalars", "step")
 
-    def __init__(self, step: int, scalars: dict[str, float], grads: _Sums, weights: _Sums):
+    def __init__(
+        self,
+        step: int,
+        scalars: dict[str, float],
+        grads: _Sums | dict[str, float],
+        weights: _Sums | dict[str, float],
+    ) -> None:
         self.step, self.scalars = step, scalars
-        self._grads, self._weights = grads, weights
+        self._grads, self._weights = _Sums.made(grads), _Sums.made(weights)
 
     @property
     def grads(self) -> dict[str, float]:
