@@ -189,9 +189,7 @@ class Capture:
     # -- inside a compiled graph: taps, and records made as the graph runs -----------------
     def _tap_inputs(self, name: str, args: tuple, kwargs: dict) -> Any:
         slot = self._slots.get((name, "input", True))
-        if slot is None or not tensors((args, kwargs)):
-            return None
-        return tap((args, kwargs), slot)
+        return None if slot is None else tap((args, kwargs), slot)
 
     def _tap_outputs(self, name: str, output: Any) -> Any:
         slot = self._slots.get((name, "output", torch.is_grad_enabled()))

@@ -363,12 +363,9 @@ def trace(
     RNG state are left exactly as they were. With ``keep_outputs``, returns
     ``(origin, outputs)``, the outputs of the calls replayed. ``changed``: see :func:`replay`.
     """
-    names = {id(m): n for n, m in model.named_modules()}
-    containers = {n for n, m in model.named_modules() if next(iter(m.children()), None)}
     origin, outputs = None, []
     runs_ = replay(model, calls, changed=changed)
-    tracer_ = _Tracer(names, containers, suspect, list(model.modules()))
-    with closing(runs_) as runs, tracer_ as tracer:
+    with closing(runs_) as runs, _Tracer(model, suspect) as tracer:
         for output, backward in runs:
             outputs.append(output)
             origin = tracer.forward_done(output)
@@ -448,16 +445,13 @@ def _preserved(model: nn.Module, changed: list[tuple[str, list[str]]] | None) ->
 class _Tracer(TorchDispatchMode):
     """Follows each non-finite tensor back to the op that first made it from finite inputs."""
 
-    def __init__(
-        self,
-        names: dict[int, str],
-        containers: set[str],
-        suspect: str | None,
-        modules: list[nn.Module],
-    ) -> None:
+    def __init__(self, model: nn.Module, suspect: str | None) -> None:
         super().__init__()
-        self.names, self.containers, self.suspect = names, containers, suspect
-        self._modules = modules
+        named = list(model.named_modules())
+        self.names = {id(m): n for n, m in named}
+        self.containers = {n for n, m in named if next(iter(m.children()), None)}
+        self.suspect = suspect
+        self._modules = [m for _, m in named]
         # The modules running now, innermost last; None for one that is not the model's (made
         # on the fly in a forward): its ops belong to the model's module that called it.
         self.stack: list[str | None] = []

@@ -88,11 +88,10 @@ class OptimizerWatch:
         """Each parameter group's learning rate: ``lr`` when there is one group in all,
         ``lr/{optimizer}.{group}`` otherwise."""
         optimizers = self.optimizers
-        single = len(optimizers) == 1 and len(groups := optimizers[0].param_groups) == 1
-        if single:  # the common case, every step: no loop
-            return {"lr": float(groups[0]["lr"])}
+        if len(optimizers) == 1 and len(groups := optimizers[0].param_groups) == 1:
+            return {"lr": float(groups[0]["lr"])}  # the common case, every step: no loop
         return {
-            "lr" if single else f"lr/{i}.{j}": float(group["lr"])
+            f"lr/{i}.{j}": float(group["lr"])
             for i, opt in enumerate(optimizers)
             for j, group in enumerate(opt.param_groups)
         }
