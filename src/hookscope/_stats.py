@@ -49,6 +49,9 @@ _BOUNDED = {
 SAT_MARGIN = 1e-3
 # A dead-unit estimate looks at every unit on at least this many positions (batch x space).
 MIN_POSITIONS = 64
+# finite_flag on a CPU: up to this many elements, ``(t * 0).sum()`` (two ops, a copy of
+# ``t``) is faster than ``aminmax`` and the three ops that turn it into a flag
+SMALL_FLAG = 1 << 16
 
 
 # Modules whose 3-D output is ``(N, C, L)``, channels first, not ``(batch, sequence, hidden)``.
@@ -425,7 +428,6 @@ def _fill(mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return zero.masked_fill(~mask, math.inf), zero.masked_fill(~mask, -math.inf)
 
 
-@torch.no_grad()
 def dead_fraction(units: torch.Tensor, dead_at: float) -> torch.Tensor:
     """Fraction of units (columns) that are <= 0 on at least ``dead_at`` of their rows.
 
@@ -439,7 +441,6 @@ def dead_fraction(units: torch.Tensor, dead_at: float) -> torch.Tensor:
     return (off >= dead_at).float().mean()
 
 
-@torch.no_grad()
 def histogram(t: torch.Tensor, bins: int) -> torch.Tensor:
     """``[lo, hi, counts...]``, bucketed on the device (no sync); non-finite values count as 0."""
     x = torch.nan_to_num(t.detach().float().flatten(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -467,7 +468,8 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     magnitude never overflows and keeps a NaN; times 0 it is 0 or NaN, so flags add up
     (several outputs, calls, ranks) without overflowing either. On the CPU it comes from
     ``aminmax``, which reads as fast as a sum (torch's CPU infinity norm reads ~12x slower,
-    and a 16-bit sum accumulated in float32 ~20x).
+    and a 16-bit sum accumulated in float32 ~20x); a small tensor is multiplied by 0 first
+    and summed (each element 0 or NaN: nothing to overflow).
     """
     t = t.detach()
     if t.is_complex():
@@ -475,6 +477,8 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point() or t.numel() == 0:
         return torch.zeros((), device=t.device)
     if t.device.type == "cpu":
+        if t.numel() <= SMALL_FLAG:  # times 0 first: 0 or NaN each, so the sum cannot
+            return t.mul(0).sum(dtype=torch.float32)  # overflow; 2 ops where this is 4
         low, high = torch.aminmax(t)
         peak = torch.maximum(high, -low)
     else:

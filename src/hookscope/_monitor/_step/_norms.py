@@ -11,12 +11,15 @@ reduction of each tensor's contiguous elements).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = ["MIN_STACK", "Norms"]
 
 MIN_STACK = 6  # tensors of one shape stacked: fewer cost more than their own norms
 _HALF = (torch.float16, torch.bfloat16)
+_AS_IS = contextlib.nullcontext()
 
 
 class Norms:
@@ -42,7 +45,8 @@ class Norms:
         stacked, fused, order = plan
         accumulate = torch.float32 if dtype in _HALF else None
         parts = []
-        with torch.no_grad():
+        # (an optimizer's step runs under ``no_grad`` already: no context to enter)
+        with torch.no_grad() if torch.is_grad_enabled() else _AS_IS:
             for group in stacked:
                 members = [tensors[i] for i in group]
                 if not all(t.is_contiguous() for t in members):

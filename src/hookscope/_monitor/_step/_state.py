@@ -41,10 +41,12 @@ class StepState:
         "no_grad_names",
         "nonfinite",
         "reached",
+        "reading",
         "returned",
         "sampled",
         "skipped",
         "trail",
+        "trained",
         "updates",
     )
 
@@ -52,6 +54,11 @@ class StepState:
         self.sampled = sampled  # the step collects statistics
         self.light = light  # only the model's edges are flagged (a replay localises)
         self.flagging = flagging  # a replay of the step, every watched module flagged
+        # The module calls add to the statistics (a sampled step): until a second training
+        # call into the model starts (an accumulated micro-batch, a closure's re-evaluation),
+        # which is checked as an unsampled step's calls are (``ModuleHooks._on_outer``)
+        self.reading = sampled
+        self.trained = False  # a training call into the model started this step
         self.buf = StepBuffer()
         self.trail = NonFiniteTrail()
         self.heard = Heard()  # the loss, loss scale, clips (``_step/_heard.py``)

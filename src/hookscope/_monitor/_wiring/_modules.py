@@ -125,7 +125,7 @@ class ModuleHooks:
         s, hooks = self._now, self._hooks
         # (the loop calls the model's parts: a part's own hooks would switch its hooks)
         keep = not self._eager_seen or self._compiled_seen or self.tape.children_called
-        on = keep or s.sampled or not s.light or s.flagging
+        on = keep or s.reading or not s.light or s.flagging
         hooks.switch(MODULES, on)
         hooks.switch(TAPE, on or self.tape.children_called)
         hooks.switch(CHECKS, keep)
@@ -137,6 +137,8 @@ class ModuleHooks:
         tape does not keep (no replay can localise in it)."""
         if entering:
             self._outer_calls += 1
+            if self._now.reading and self._reads_one_call():
+                self._training_call()
         if self._compiled_seen or not self._eager_seen or self.tape.children_called:
             return
         hooks = self._hooks
@@ -153,6 +155,26 @@ class ModuleHooks:
             if self._transient:
                 self._gate()
 
+    def _reads_one_call(self) -> bool:
+        """A training call of the model's own (not a compiled graph's, nor a loop's call of
+        its parts: those steps read every call)."""
+        if self._compiled_seen or self.tape.children_called:
+            return False
+        return self._model.training and torch.is_grad_enabled()
+
+    def _training_call(self) -> None:
+        """A training call into the model starts on a sampled step: the step's statistics
+        are its first such call's. A second one (a micro-batch of an accumulated step, a
+        closure that ``LBFGS`` evaluates again) is checked as an unsampled step's calls are,
+        its modules' hooks off where the edges are checked: a step of 20 evaluations costs
+        one read, not 20."""
+        s = self._now
+        if not s.trained:
+            s.trained = True
+            return
+        s.reading = False
+        self._gate()
+
     def measures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` now adds to the step's statistics: a sampled step in
         training mode, not a replay nor an activation-checkpoint recompute (nor a compiled
@@ -160,7 +182,7 @@ class ModuleHooks:
         if torch.compiler.is_compiling():
             return False
         paused = self.tape.paused or in_backward_recompute()
-        return self.now.sampled and module.training and not paused
+        return self.now.reading and module.training and not paused
 
     @contextlib.contextmanager
     def flagging(self) -> Iterator[StepState]:
@@ -191,7 +213,7 @@ class ModuleHooks:
         if self.tape.paused and not s.flagging:  # a replay under the op tracer
             return
         s.hooks_ran = self._eager_seen = True
-        sampled = s.sampled
+        sampled = s.reading
         if not sampled and s.light and self.tape.recording:
             return  # the edges' flags and a replay stand for this call's
         if type(module) is Tap:  # a site of its own: what it passes on is not its input
@@ -204,7 +226,7 @@ class ModuleHooks:
     def _on_output(
         self, name: str, module: nn.Module, args: Any, s: StepState, output: Any
     ) -> None:
-        sampled = s.sampled
+        sampled = s.reading
         outs = [t for t in tensors(output) if t.is_floating_point()]
         if in_backward_recompute():
             # Activation checkpointing re-runs forward during backward: never count it again.
@@ -303,21 +325,23 @@ class ModuleHooks:
         s.hooks_ran = True
         if torch.compiler.is_compiling():  # eager-only (``_probes/_compiled.py``)
             return
-        if s.sampled and torch.is_grad_enabled() and not self.tape.paused:
+        if s.reading and torch.is_grad_enabled() and not self.tape.paused:
             s.returned.update(t.data_ptr() for t in tensors(output) if t.requires_grad)
 
     def _hook_grads(self, name: str, outs: list[torch.Tensor]) -> None:
+        on_grad = functools.partial(self._on_grad, name, self._now.reading)
         for t in outs:
             if t.requires_grad:
-                self._hooks.tensor(t, functools.partial(self._on_grad, name))
+                self._hooks.tensor(t, on_grad)
 
-    def _on_grad(self, name: str, grad: torch.Tensor) -> None:
+    def _on_grad(self, name: str, read: bool, grad: torch.Tensor) -> None:
+        """``read``: the output came from a call the step's statistics read."""
         self._grad_calls += 1
         s = self.now
         s.got_grad.add(name)
         if not s.light:  # else the edges' flags and the parameters' stand for it
             s.trail.backward(s.buf, name, grad)
-        if s.sampled:
+        if read and s.sampled:
             self._grads.backward(s.buf, name, grad)
             if self._precision is not None:
                 self._precision.backward(s.buf, name, grad)
