@@ -46,7 +46,6 @@ class StepState:
         "sampled",
         "skipped",
         "trail",
-        "trained",
         "updates",
     )
 
@@ -54,11 +53,9 @@ class StepState:
         self.sampled = sampled  # the step collects statistics
         self.light = light  # only the model's edges are flagged (a replay localises)
         self.flagging = flagging  # a replay of the step, every watched module flagged
-        # The module calls add to the statistics (a sampled step): until a second training
-        # call into the model starts (an accumulated micro-batch, a closure's re-evaluation),
-        # which is checked as an unsampled step's calls are (``ModuleHooks._on_outer``)
+        # The module calls add to the statistics (a sampled step), until a closure is
+        # evaluated again in one ``step()`` (``ModuleHooks.stop_reading``)
         self.reading = sampled
-        self.trained = False  # a training call into the model started this step
         self.buf = StepBuffer()
         self.trail = NonFiniteTrail()
         self.heard = Heard()  # the loss, loss scale, clips (``_step/_heard.py``)

@@ -137,8 +137,6 @@ class ModuleHooks:
         tape does not keep (no replay can localise in it)."""
         if entering:
             self._outer_calls += 1
-            if self._now.reading and self._reads_one_call():
-                self._training_call()
         if self._compiled_seen or not self._eager_seen or self.tape.children_called:
             return
         hooks = self._hooks
@@ -155,25 +153,15 @@ class ModuleHooks:
             if self._transient:
                 self._gate()
 
-    def _reads_one_call(self) -> bool:
-        """A training call of the model's own (not a compiled graph's, nor a loop's call of
-        its parts: those steps read every call)."""
-        if self._compiled_seen or self.tape.children_called:
-            return False
-        return self._model.training and torch.is_grad_enabled()
-
-    def _training_call(self) -> None:
-        """A training call into the model starts on a sampled step: the step's statistics
-        are its first such call's. A second one (a micro-batch of an accumulated step, a
-        closure that ``LBFGS`` evaluates again) is checked as an unsampled step's calls are,
-        its modules' hooks off where the edges are checked: a step of 20 evaluations costs
-        one read, not 20."""
+    def stop_reading(self) -> None:
+        """The step's statistics are complete: its later calls (a closure that ``LBFGS``
+        evaluates again in the same ``step()``) are checked as an unsampled step's are, the
+        modules' hooks off where the edges are checked: a step of 20 evaluations of one
+        batch costs one read, not 20."""
         s = self._now
-        if not s.trained:
-            s.trained = True
-            return
-        s.reading = False
-        self._gate()
+        if s.reading:
+            s.reading = False
+            self._gate()
 
     def measures(self, module: nn.Module) -> bool:
         """Whether a call of ``module`` now adds to the step's statistics: a sampled step in

@@ -43,7 +43,8 @@ class OptimizerWatch:
 
     - ``grads(opt, names)`` once this step's gradients are final: just before the update, or,
       for a closure optimizer (LBFGS; Lightning runs forward and backward inside
-      ``optimizer.step(closure)``), after the closure's first evaluation; and, when
+      ``optimizer.step(closure)``), after the closure's first evaluation (``again()`` before
+      each later one: the step's statistics are the first's); and, when
       ``ready()`` says a backward pass of this step ran before ``step(closure)`` was called
       (sharpness-aware minimisation moves the weights by those gradients before its closure
       runs), also before ``step()`` does anything;
@@ -63,9 +64,11 @@ class OptimizerWatch:
         before: Callable[[torch.optim.Optimizer, list[str]], None],
         after: Callable[[torch.optim.Optimizer, list[str]], None],
         ready: Callable[[], bool] = lambda: False,
+        again: Callable[[], None] = lambda: None,
     ) -> None:
         self._owned, self._grads, self._check = owned, grads, check
         self._before, self._after, self._ready = before, after, ready
+        self._again = again
         self._cache: dict[int, tuple[weakref.ref, int, list[str]]] = {}
         self._hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._read_early: set[int] = set()  # optimizers whose gradients were read already
@@ -132,6 +135,8 @@ class OptimizerWatch:
 
         def closure_then_read() -> Any:
             nonlocal first
+            if not first:
+                self._again()
             loss = closure()
             if first:
                 first = False

@@ -56,6 +56,7 @@ class UpdateHooks:
             before=self.before,
             after=self.after,
             ready=lambda: self._hooks.now.reached,
+            again=module_hooks.stop_reading,
         )
 
     def read_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
