@@ -102,30 +102,33 @@ def hidden_states(model: Sequence, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_a_closure_evaluated_again_runs_with_no_hook_on_any_module_but_the_model() -> None:
-    """From the light steps on (the optimizer adopted, the hooks seen), a sampled step's
-    first evaluation runs every module's hooks and the later ones only the model's own."""
+    """Every step sampled: each step's first evaluation runs every module's hooks, the later
+    ones only the model's own, from the first step on (the optimizer is adopted as its
+    ``step()`` starts, before the closure runs)."""
     torch.manual_seed(0)
     x, y = waves()
     model = Sequence()
     opt = lbfgs(model)
-    places: list[tuple[int, bool, set[str]]] = []
+    seen: list[tuple[int, bool, bool, set[str]]] = []
     with hs.Monitor(model, every=1) as mon:
 
         def closure() -> torch.Tensor:
             state = step_state(mon)
             where = {line.split(":")[0] for line in hooks_on(model, only_hookscope=True)}
-            places.append((mon.step_count, state.reading, where - {"torch.optim.optimizer"}))
+            where -= {"torch.optim.optimizer"}
+            seen.append((mon.step_count, state.reading, state.light, where))
             return closure_of(model, opt, x, y)()
 
         for _ in range(3):
             opt.step(closure)
             mon.step()
-    assert [r for r in mon.records if r["type"] == "step"][-1]["sampled"]
-    for step, reading, where in places:
-        first = reading
-        if step == 2:
-            assert where == ({"<root>", "norm", "cell", "head"} if first else {"<root>"})
-    assert [reading for step, reading, _ in places if step == 2] == [True] + [False] * 4
+    assert all(r["sampled"] for r in mon.records if r["type"] == "step")
+    for step in range(3):
+        evaluations = [(reading, light, where) for s, reading, light, where in seen if s == step]
+        assert len(evaluations) == 5
+        reading, light, where = evaluations[0]
+        assert reading and light == (step > 0) and where == {"<root>", "norm", "cell", "head"}
+        assert evaluations[1:] == [(False, True, {"<root>"})] * 4
 
 
 def nonfinite_in_third_evaluation(every: int | None, check: str) -> list[tuple]:

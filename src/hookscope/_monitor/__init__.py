@@ -294,6 +294,7 @@ class Monitor:
             world=self._world,
             warnings=self._warnings,
             on_nonfinite=self.on_nonfinite,
+            edges=self.check == "edges",
             keep_outputs=self.record_dir is not None,
             step=lambda: self.step_count,
             frozen=frozen,

@@ -54,7 +54,7 @@ class StepState:
         self.light = light  # only the model's edges are flagged (a replay localises)
         self.flagging = flagging  # a replay of the step, every watched module flagged
         # The module calls add to the statistics (a sampled step), until a closure is
-        # evaluated again in one ``step()`` (``ModuleHooks.stop_reading``)
+        # evaluated again in one ``step()`` (``ModuleHooks.closure_again``)
         self.reading = sampled
         self.buf = StepBuffer()
         self.trail = NonFiniteTrail()

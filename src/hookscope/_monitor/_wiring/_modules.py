@@ -153,14 +153,15 @@ class ModuleHooks:
             if self._transient:
                 self._gate()
 
-    def stop_reading(self) -> None:
+    def closure_again(self, *, light: bool) -> None:
         """The step's statistics are complete: its later calls (a closure that ``LBFGS``
-        evaluates again in the same ``step()``) are checked as an unsampled step's are, the
-        modules' hooks off where the edges are checked: a step of 20 evaluations of one
-        batch costs one read, not 20."""
+        evaluates again in the same ``step()``) are checked as an unsampled step's are, and
+        only at the model's edges where ``light`` (a replay localises): the modules' hooks
+        off, a step of 20 evaluations of one batch costs one read, not 20."""
         s = self._now
-        if s.reading:
+        if s.reading or (light and not s.light):
             s.reading = False
+            s.light = s.light or light
             self._gate()
 
     def measures(self, module: nn.Module) -> bool:

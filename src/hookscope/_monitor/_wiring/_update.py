@@ -42,11 +42,12 @@ class UpdateHooks:
         out: Output,
         *,
         on_nonfinite: str,
+        edges: bool,
         step: Callable[[], int],
     ) -> None:
         self._hooks, self._probes, self._decision = module_hooks, probes, decision
         self._transfer, self._out = transfer, out
-        self._on_nonfinite, self._step = on_nonfinite, step
+        self._on_nonfinite, self._edges, self._step = on_nonfinite, edges, step
         self._plists: dict[int, tuple[list[str], list[torch.nn.Parameter]]] = {}
         self.optim = OptimizerWatch(
             hooks,
@@ -56,7 +57,7 @@ class UpdateHooks:
             before=self.before,
             after=self.after,
             ready=lambda: self._hooks.now.reached,
-            again=module_hooks.stop_reading,
+            again=self.again,
         )
 
     def read_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -87,6 +88,14 @@ class UpdateHooks:
             probes.params.read_grads(s.buf, names, stepped=optimizer is not None, known=found)
         probes.spikes.flags(first, read)  # their L2 norms feed the rolling window too
         probes.spikes.weights(s.buf)
+
+    def again(self) -> None:
+        """A closure optimizer evaluates its closure again in this ``step()`` (``LBFGS``: up
+        to ``max_iter`` times, one batch): the step's statistics and its check before the
+        update were the first evaluation's; the later ones are checked as a light unsampled
+        step's calls are (the model's edges and a replay: the optimizer is adopted now, also
+        at the first step), with no hook on any module but the model's own."""
+        self._hooks.closure_again(light=self._edges and self._decision.light)
 
     def _plist(self, names: list[str]) -> list[torch.nn.Parameter]:
         """The parameters ``names``, kept per list (an optimizer's names are one list while
