@@ -146,15 +146,16 @@ def test_a_single_nan_anywhere_in_a_large_tensor_is_still_found() -> None:
     assert [(f.kind, f.module, f.phase) for f in mon.findings] == [("nonfinite", "1", "forward")]
 
 
+@pytest.mark.parametrize("rows", [64, 256], ids=["small", "large"])  # around SMALL_FLAG
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_the_finite_flag_is_0_or_nan_and_never_overflows(dtype: torch.dtype) -> None:
+def test_the_finite_flag_is_0_or_nan_and_never_overflows(dtype: torch.dtype, rows: int) -> None:
     largest = torch.finfo(dtype).max
-    x = torch.full((64, 513), largest, dtype=dtype)
+    x = torch.full((rows, 513), largest, dtype=dtype)
     x[::2] = -largest  # every value finite, the range from min to max twice the largest
     assert finite_flag(x).item() == 0 and finite_flag(x).dtype == torch.float32
     for bad in (math.nan, math.inf, -math.inf):
         y = x.clone()
-        y[63, 512] = bad  # the last element
+        y[rows - 1, 512] = bad  # the last element
         assert math.isnan(finite_flag(y).item())
     assert finite_flag(torch.ones(0, dtype=dtype)).item() == 0
 
