@@ -296,7 +296,7 @@ class Monitor:
             world=self._world,
             warnings=self._warnings,
             on_nonfinite=self.on_nonfinite,
-            edges=self.check == "edges",
+            light=self._light,
             keep_outputs=self.record_dir is not None,
             step=lambda: self.step_count,
             frozen=frozen,
@@ -461,8 +461,11 @@ class Monitor:
         localise (``_nonfinite/_decide.py``), once an optimizer is adopted: its check runs before the
         update, where a replay meets the step's own weights. Before that (a hand-written
         update runs before ``step()``), every module's output and gradient is checked."""
-        light = self.check == "edges" and self._decision.light and bool(self._optim.adopted)
-        return StepState(sampled=self.sampled, light=light)
+        return StepState(sampled=self.sampled, light=self._light())
+
+    def _light(self) -> bool:
+        """Whether a step starting now checks only the model's edges (:meth:`_new_state`)."""
+        return self.check == "edges" and self._decision.light and bool(self._optim.adopted)
 
     def _end_step(self) -> None:
         self._tape.reset()

@@ -38,7 +38,7 @@ class Wiring:
     script's calls, with the parts they feed.
 
     ``coll``: the collective when the ranks' figures are combined, over ``world`` ranks;
-    ``edges``: ``Monitor(check="edges")``;
+    ``light()``: whether a step starting now checks only the model's edges;
     ``keep_outputs``: the tape keeps the outermost calls' outputs (for a replay bundle);
     ``step()``: the number of the step under way. The hooks are removed when building fails
     half-way, as by :meth:`close`. (The constructor is long, and straight: each part once, in
@@ -56,7 +56,7 @@ class Wiring:
         world: int,
         warnings: Warnings,
         on_nonfinite: str,
-        edges: bool,
+        light: Callable[[], bool],
         keep_outputs: bool,
         step: Callable[[], int],
         frozen: Where | None,
@@ -98,7 +98,7 @@ class Wiring:
                 self.transfer,
                 out,
                 on_nonfinite=on_nonfinite,
-                edges=edges,
+                light=light,
                 step=step,
             )
             # The checks' module hooks act in evaluation passes and autocast regions only

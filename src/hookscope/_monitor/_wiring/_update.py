@@ -30,6 +30,7 @@ class UpdateHooks:
     """The optimizers that step the model (``optim``) and what happens around their updates.
 
     ``hooks``: where the optimizer hooks go; ``module_hooks``: what writes the step's state;
+    ``light()``: whether a step starting now checks only the model's edges (``Monitor``);
     ``step()``: the number of the step under way."""
 
     def __init__(
@@ -42,12 +43,12 @@ class UpdateHooks:
         out: Output,
         *,
         on_nonfinite: str,
-        edges: bool,
+        light: Callable[[], bool],
         step: Callable[[], int],
     ) -> None:
         self._hooks, self._probes, self._decision = module_hooks, probes, decision
         self._transfer, self._out = transfer, out
-        self._on_nonfinite, self._edges, self._step = on_nonfinite, edges, step
+        self._on_nonfinite, self._light, self._step = on_nonfinite, light, step
         self._plists: dict[int, tuple[list[str], list[torch.nn.Parameter]]] = {}
         self.optim = OptimizerWatch(
             hooks,
@@ -95,7 +96,7 @@ class UpdateHooks:
         update were the first evaluation's; the later ones are checked as a light unsampled
         step's calls are (the model's edges and a replay: the optimizer is adopted now, also
         at the first step), with no hook on any module but the model's own."""
-        self._hooks.closure_again(light=self._edges and self._decision.light)
+        self._hooks.closure_again(light=self._light())
 
     def _plist(self, names: list[str]) -> list[torch.nn.Parameter]:
         """The parameters ``names``, kept per list (an optimizer's names are one list while
