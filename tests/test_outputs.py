@@ -117,3 +117,64 @@ def test_16_bit_outputs_and_gradients_are_measured_in_float32(dtype, sample) -> 
     assert act["mean"] == pytest.approx(out.mean().item(), rel=1e-4, abs=1e-3)
     norm = (grad.square().mean() * grads[0].numel()).sqrt().item()
     assert record["grad"]["0"]["norm"] == pytest.approx(norm, rel=1e-4)
+
+
+class DeadChannels(nn.Module):
+    """A CNN whose first conv has 3 of its 8 channels dead (bias -100, after an in-place
+    ReLU called twice), a frozen head (10 of 32 units dead, or more) whose ReLU's output an in-place
+    subtraction then makes all negative (a sample taken as a view of the output would read
+    it after that), and a float64 layer (6 of 24 dead, or more)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Linear(16, 32).requires_grad_(False)
+        self.head_relu = nn.ReLU(inplace=True)
+        self.wide = nn.Linear(32, 24).double()
+        self.wide_relu = nn.ReLU()
+        with torch.no_grad():
+            self.conv.bias[[1, 4, 6]] = -100.0
+            self.head.bias[:10] = -100.0
+            self.wide.bias[:6] = -100.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.conv2(self.relu(self.conv(x))))
+        h = self.head_relu(self.head(x.mean((2, 3)).detach()))
+        out = self.wide_relu(self.wide(h.double()))
+        h.sub_(1000.0)  # after the head ReLU's hooks ran
+        return out.sum() + h.sum()
+
+
+@pytest.mark.parametrize("keep_limit", [None, 2])
+def test_dead_units_of_every_call_come_from_one_pass_as_plain_torch_counts_them(
+    keep_limit, monkeypatch
+) -> None:
+    """A unit is dead when it is <= 0 on at least ``dead_at`` of its positions; a module's
+    figure is the largest over its calls. Each call's units sample waits, a copy, for the
+    step's pass (``keep_limit``: a pass every two samples)."""
+    if keep_limit is not None:
+        monkeypatch.setattr(_buffer, "KEEP_LIMIT", keep_limit)
+    torch.manual_seed(0)
+    model = DeadChannels().train()
+    x = torch.randn(16, 3, 8, 8)
+    x[0, :, 0, 0] = float("nan")  # a NaN at one position of every channel of conv's input
+    want: dict[str, float] = {}
+
+    def oracle(name: str, out: torch.Tensor) -> None:  # plain torch, over every position
+        units = out.detach().movedim(1, -1).reshape(-1, out.shape[1])
+        dead = ((units <= 0).double().mean(0) >= 0.9).double().mean().item()
+        want[name] = max(want.get(name, 0.0), dead)
+
+    for name in ("relu", "head_relu", "wide_relu"):
+        module = model.get_submodule(name)
+        module.register_forward_hook(lambda m, a, out, name=name: oracle(name, out))
+    with hs.Monitor(model, every=1, thresholds=hs.Thresholds(dead_unit=0.9)) as mon:
+        model(x).backward()
+        mon.step()
+    (record,) = (r for r in mon.records if r["type"] == "step")
+    got = {name: record["act"][name]["dead_frac"] for name in want}
+    assert want["relu"] == 3 / 8  # as built; the others have at least their dead biases'
+    assert want["head_relu"] >= 10 / 32 and want["wide_relu"] >= 6 / 24
+    assert got == pytest.approx(want, abs=1e-7)

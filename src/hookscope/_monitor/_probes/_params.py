@@ -208,7 +208,7 @@ class BatchNorms:
             self._prev[name] = (copies[i], copies[count + i])
         avg_, drift_ = torch.stack(avg), torch.stack(drift)
         rows = torch.stack([avg_[:count], avg_[count:], drift_[:count], drift_[count:]], 1)
-        buf.set_many([("bn", name) for name in names], list(rows.unbind(0)))
+        buf.set_rows([("bn", name) for name in names], rows)
 
     def layout(self, rank: int) -> list[Entry]:
         """Running statistics: rank 0's (DDP broadcasts rank 0's buffers at each forward)."""

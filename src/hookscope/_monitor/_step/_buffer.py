@@ -8,12 +8,15 @@ ranks still add up. :meth:`StepBuffer.to_host` concatenates everything and makes
 
 Probes may also :meth:`~StepBuffer.keep` small tensors (the samples of a sampled step) until
 the step's end, where :meth:`~StepBuffer.settle` hands each probe everything it kept, for
-statistics of every module in one stacked pass instead of a few ops per module call.
+statistics of every module in one stacked pass instead of a few ops per module call. That
+pass gives its values as rows, one per module: :meth:`~StepBuffer.add_rows` keeps them as the
+one tensor they are, not one tensor per key (no split before the transfer and no gather in
+it), while no key of them is asked for alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -43,6 +46,10 @@ class StepBuffer:
         # under a key of its own in ``_values``; its keys, by that key
         # (its keys' prefix, first number, count)
         self._blocks: dict[Hashable, tuple[str, int, int]] = {}
+        # Row blocks (``add_rows``): one tensor whose rows are the values of named keys, under
+        # a key of its own in ``_values``: its keys, by that key; and each key's row block
+        self._rows: dict[Hashable, tuple[Hashable, ...]] = {}
+        self._row_of: dict[Hashable, Hashable] = {}
 
     def keep(self, finish: Callable[[StepBuffer, list[Any]], None], item: Any) -> None:
         """Keep ``item`` until :meth:`settle`, which calls ``finish(self, items)`` with the
@@ -64,7 +71,7 @@ class StepBuffer:
 
     def add(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
         """Put ``value`` under ``key``, or combine it with what is there by ``reduce``."""
-        if self._blocks and self._in_block(key):
+        if (self._blocks or self._rows) and self._in_block(key):
             self._unblock()
         value = value.detach() if value.requires_grad else value
         old = self._values.get(key)
@@ -76,7 +83,7 @@ class StepBuffer:
 
     def set(self, key: Hashable, value: torch.Tensor, reduce: Reduce = "sum") -> None:
         """Put ``value`` under ``key``, replacing what is there."""
-        if self._blocks and self._in_block(key):
+        if (self._blocks or self._rows) and self._in_block(key):
             self._unblock()
         self._host.pop(key, None)
         self._values[key] = value.detach() if value.requires_grad else value
@@ -84,7 +91,7 @@ class StepBuffer:
 
     def set_many(self, keys: list[Hashable], values: list[torch.Tensor]) -> None:
         """:meth:`set` each of ``keys`` to its value in ``values`` (detached, ``"sum"``)."""
-        if self._blocks and any(self._in_block(key) for key in keys):
+        if (self._blocks or self._rows) and any(self._in_block(key) for key in keys):
             self._unblock()
         host, store, reduce = self._host, self._values, self._reduce
         for key, value in zip(keys, values, strict=True):
@@ -112,9 +119,59 @@ class StepBuffer:
         self._values[block] = value.detach() if value.requires_grad else value
         self._reduce[block] = "sum"
 
+    def add_rows(
+        self, keys: Sequence[Hashable], value: torch.Tensor, reduce: Reduce = "sum"
+    ) -> None:
+        """:meth:`add` ``value[i]`` under ``keys[i]``, each (one module's row of a stacked
+        pass): kept as the one tensor ``value`` is, while none of ``keys`` waits already
+        (else added one by one) and none is asked for alone (:meth:`value`, :meth:`take`, a
+        collective's :meth:`pending_keys` split it into its keys)."""
+        if len(keys) != value.shape[0]:
+            raise ValueError(f"{len(keys)} keys for {value.shape[0]} rows")
+        values, rows = self._values, self._row_of
+        if any(key in values or key in rows for key in keys) or (
+            self._blocks and any(self._in_block(key) for key in keys)
+        ):
+            for key, row in zip(keys, value.unbind(0), strict=True):
+                self.add(key, row, reduce)
+            return
+        self._keep_rows(tuple(keys), value, reduce)
+
+    def set_rows(
+        self, keys: Sequence[Hashable], value: torch.Tensor, reduce: Reduce = "sum"
+    ) -> None:
+        """:meth:`set` ``value[i]`` under ``keys[i]``, each, kept as one tensor as
+        :meth:`add_rows` keeps it."""
+        if len(keys) != value.shape[0]:
+            raise ValueError(f"{len(keys)} keys for {value.shape[0]} rows")
+        values, rows = self._values, self._row_of
+        if any(key in values or key in rows for key in keys) or (
+            self._blocks and any(self._in_block(key) for key in keys)
+        ):
+            self._unblock()
+            for key in keys:
+                values.pop(key, None)
+        if self._host:
+            for key in keys:
+                self._host.pop(key, None)
+        self._keep_rows(tuple(keys), value, reduce)
+
+    def _keep_rows(self, keys: tuple[Hashable, ...], value: torch.Tensor, reduce: Reduce) -> None:
+        """``value``'s rows under ``keys`` (none of which waits), as one tensor."""
+        if not keys:
+            return
+        block = ("rows", len(self._rows), keys[0])
+        self._rows[block] = keys
+        for key in keys:
+            self._row_of[key] = block
+        self._values[block] = value.detach() if value.requires_grad else value
+        self._reduce[block] = reduce
+
     def _in_block(self, key: Hashable) -> bool:
+        if key in self._row_of:
+            return True
         # a loop, not any(generator): a sampled step asks this of every key it adds
-        if type(key) is not tuple or len(key) != 2:
+        if not self._blocks or type(key) is not tuple or len(key) != 2:
             return False
         head, at = key
         for prefix, start, n in self._blocks.values():
@@ -124,22 +181,30 @@ class StepBuffer:
 
     def _unblock(self) -> None:
         """Every block split into its keys, each in the block's place among the values."""
-        if not self._blocks:
+        if not self._blocks and not self._rows:
             return
-        values, reduce = self._values, self._reduce
+        values, reduce, rows = self._values, self._reduce, self._rows
         items = list(values.items())
         values.clear()
         for key, value in items:
             block = self._blocks.get(key)
-            if block is None:
+            keys = rows.get(key) if block is None else None
+            if block is None and keys is None:
                 values[key] = value
                 continue
-            del reduce[key]
+            rule = reduce.pop(key)
+            if keys is not None:
+                for row_key, row in zip(keys, value.unbind(0), strict=True):
+                    values[row_key] = row
+                    reduce[row_key] = rule
+                continue
             prefix, start, n = block
             for i in range(n):
                 values[prefix, start + i] = value[i]
                 reduce[prefix, start + i] = "sum"
         self._blocks.clear()
+        rows.clear()
+        self._row_of.clear()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._values or key in self._host or self._in_block(key)
@@ -156,14 +221,14 @@ class StepBuffer:
 
     def value(self, key: Hashable) -> torch.Tensor | None:
         """The device value under ``key`` that waits for the next transfer, if any."""
-        if self._blocks and self._in_block(key):
+        if (self._blocks or self._rows) and self._in_block(key):
             self._unblock()
         return self._values.get(key)
 
     def take(self, key: Hashable) -> torch.Tensor | None:
         """Remove and return the waiting device value under ``key`` (for a collective that
         moves it itself; :meth:`absorb` hands the result back)."""
-        if self._blocks and self._in_block(key):
+        if (self._blocks or self._rows) and self._in_block(key):
             self._unblock()
         return self._values.pop(key, None)
 
@@ -185,10 +250,19 @@ class StepBuffer:
         self.settle()
         if only is not None:
             self._unblock()
-        waiting, host, blocks = self._values, self._host, self._blocks
+        waiting, host, blocks, rows = self._values, self._host, self._blocks, self._rows
         keys = list(waiting) if only is None else [k for k in waiting if only(k)]
         if keys:
             for key, new in zip(keys, _to_lists([waiting[k] for k in keys]), strict=True):
+                row_keys = rows.get(key) if rows else None
+                if row_keys is not None:  # a row of ``new`` per key
+                    rule, width = self._reduce.pop(key), len(new) // len(row_keys)
+                    for i, row_key in enumerate(row_keys):
+                        row = new[i * width : (i + 1) * width]
+                        old = host.get(row_key)
+                        host[row_key] = row if old is None else combine(rule, old, row)
+                        self._reduce[row_key] = rule
+                    continue
                 block = blocks.get(key) if blocks else None
                 if block is not None:  # one number per key of the block
                     prefix, first, _ = block
@@ -205,6 +279,8 @@ class StepBuffer:
             if only is None:
                 waiting.clear()
                 blocks.clear()
+                rows.clear()
+                self._row_of.clear()
             else:
                 for key in keys:
                     del waiting[key]
@@ -223,7 +299,7 @@ def _to_lists(values: list[torch.Tensor]) -> list[list[float]]:
         # an unsampled step: its flags, scalars and a few short vectors of one dtype, in one
         # cat (no float64 copy; the cat itself refuses values on several devices)
         try:
-            flat = torch.cat(torch.atleast_1d(values))
+            flat = torch.cat([v if v.dim() == 1 else v.reshape(-1) for v in values])
         except RuntimeError:
             flat = None
         if flat is not None:
