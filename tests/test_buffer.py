@@ -91,3 +91,51 @@ def test_values_leave_the_graph_and_mixed_dtypes_arrive_as_floats() -> None:
     host = buf.to_host()
     assert host["norm"] == pytest.approx([(w.detach() * 2).norm().item()])
     assert host["count"] == [3.0] and host["half"] == [0.25, 4.0]
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rows_travel_as_one_tensor_and_combine_as_keys_added_one_by_one(
+    rule, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stacked pass's rows (one per module) under their keys: the same host values as
+    adding each row alone, whether a key comes again before the transfer (a second pass),
+    after it, or is asked for alone."""
+    gen = torch.Generator().manual_seed(0)
+    names = [("act", n) for n in "abcd"]
+    first, second, third = (torch.randn(4, 3, generator=gen) for _ in range(3))
+    alone = StepBuffer()
+    for rows in (first, second):
+        for key, row in zip(names, rows, strict=True):
+            alone.add(key, row, rule)
+    buf = StepBuffer()
+    buf.add_rows(names, first, rule)
+    assert buf.pending() == 4 and names[2] in buf
+    buf = StepBuffer()
+    buf.add_rows(names, first, rule)
+    buf.add_rows(names[1:3], second[1:3], rule)  # two keys waiting already: combined
+    buf.add_rows([names[0], names[3]], second[[0, 3]], rule)
+    calls = count_transfers(monkeypatch)
+    host = buf.to_host()
+    assert len(calls) == 1
+    assert host == alone.to_host()
+    reduce = RULES[rule]
+    buf.add_rows(names, third, rule)  # after a transfer: combined on the host
+    later = buf.to_host()
+    for i, key in enumerate(names):
+        want = reduce(torch.stack([first[i], second[i], third[i]])).double().tolist()
+        assert later[key] == pytest.approx(want, rel=1e-6), key
+    buf.add_rows(names, first, rule)
+    assert torch.equal(buf.value(names[1]), first[1])  # asked alone: split into keys
+    assert buf.pending_keys() == names
+
+
+def test_set_rows_replaces_what_waits_and_what_moved() -> None:
+    buf = StepBuffer()
+    keys = [("bn", "a"), ("bn", "b")]
+    buf.add(keys[0], torch.tensor([9.0, 9.0]))
+    buf.set_rows(keys, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert buf.to_host() == {keys[0]: [1.0, 2.0], keys[1]: [3.0, 4.0]}
+    buf.set_rows(keys, torch.tensor([[5.0, 6.0], [7.0, 8.0]]))
+    assert buf.to_host() == {keys[0]: [5.0, 6.0], keys[1]: [7.0, 8.0]}
+    with pytest.raises(ValueError, match="3 keys for 2 rows"):
+        buf.add_rows([*keys, ("bn", "c")], torch.zeros(2, 2))
