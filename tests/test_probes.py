@@ -98,3 +98,60 @@ def test_update_ratio_is_the_real_adam_update() -> None:
         mon.step()
     ratio = ((model[0].weight - before).norm() / before.norm()).item()
     assert mon.records[1]["param"]["0.weight"]["update_ratio"] == pytest.approx(ratio, rel=1e-5)
+
+
+def test_batchnorm_figures_and_drifts_are_plain_torchs_over_sampled_steps() -> None:
+    """Each BatchNorm's running mean and variance (means over channels) and their drift
+    since the last sampled step, ``||now - before|| / (||before|| + 1e-12)``: BatchNorm1d
+    and 2d of several widths, one without running statistics (left out), every=2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.BatchNorm2d(16, momentum=0.5),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 32),
+        nn.BatchNorm1d(32),
+        nn.Linear(32, 10),
+        nn.BatchNorm1d(10, track_running_stats=False),
+    ).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    bns = {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    seen: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    with hs.Monitor(model, every=2, optimizer=opt) as mon:
+        for step in range(6):
+            x = torch.randn(16, 3, 8, 8) * (1 + step)
+            loss = model(x).logsumexp(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if step % 2 == 0:
+                seen.append(
+                    {
+                        n: (m.running_mean.clone(), m.running_var.clone())
+                        for n, m in bns.items()
+                        if m.running_mean is not None
+                    }
+                )
+            mon.step(loss=loss)
+    records = [r for r in mon.records if r.get("type") == "step" and r["sampled"]]
+    assert len(records) == len(seen) == 3
+    for i, (record, stats) in enumerate(zip(records, seen, strict=True)):
+        assert set(record["bn"]) == {"1", "4", "9"}  # "11" keeps no running statistics
+        for name, (mean, var) in stats.items():
+            bn = record["bn"][name]
+            assert bn["running_mean"] == pytest.approx(mean.mean().item(), rel=1e-5, abs=1e-7)
+            assert bn["running_var"] == pytest.approx(var.mean().item(), rel=1e-5)
+            if i == 0:
+                assert bn["mean_drift"] != bn["mean_drift"]  # NaN: nothing before
+                continue
+            for now, before, key in zip(
+                (mean, var), seen[i - 1][name], ("mean", "var"), strict=True
+            ):
+                drift = ((now - before).norm() / (before.norm() + 1e-12)).item()
+                assert bn[f"{key}_drift"] == pytest.approx(drift, rel=1e-5), (name, key)
+                assert drift > 0

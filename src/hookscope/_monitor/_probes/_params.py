@@ -16,6 +16,7 @@ from torch import nn
 
 from ..._log import StepRecord
 from ..._stats import (
+    Rows,
     Sampler,
     norms,
 )
@@ -155,8 +156,10 @@ class BatchNorms:
         self.modules = {
             n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
         }
-        self._prev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the last sampled step's running statistics, one vector, and what they were of
+        self._prev: tuple[tuple, torch.Tensor] | None = None
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rows = Rows()
 
     def save_running(self) -> None:
         """Before the step's first forward, for ``on_nonfinite="skip"``: skipping a step also
@@ -175,39 +178,42 @@ class BatchNorms:
                 b.copy_(saved)
 
     def collect(self, buf: StepBuffer) -> None:
-        """Every BatchNorm's figures in a few ops for all of them (one per BatchNorm for the
-        means, fused ones for the drifts), not a dozen per BatchNorm."""
-        names, means, variances = [], [], []
+        """Every BatchNorm's figures from one vector of all their running statistics (each
+        one's mean, and its drift, ``||now - before|| / (||before|| + 1e-12)``, as sums over
+        its segment): a dozen ops for all of them, not a dozen per BatchNorm."""
+        names, stats = [], []
         for name, bn in self.modules.items():
             if bn.running_mean is None or bn.running_var is None:
                 continue
             names.append(name)
-            means.append(bn.running_mean.detach().float())
-            variances.append(bn.running_var.detach().float())
+            stats += (bn.running_mean, bn.running_var)
         if not names:
             return
-        now = means + variances
+        device = stats[0].device
+        lengths = tuple(t.numel() for t in stats)
+        layout = (tuple(names), lengths)
+        segment = self._rows.cached(
+            ("bn_segments", lengths, device),
+            lambda: torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(
+                device
+            ),
+        )
         with torch.no_grad():
-            # mean() on the CPU is sum() / numel: the same figures, divided in one fused op
-            avg = torch._foreach_div([t.sum() for t in now], [float(t.numel()) for t in now])
-            drift = [avg[0].new_full((), math.nan)] * len(now)
-            prev = [self._prev.get(name) for name in names]
-            seen = [i for i, p in enumerate(prev) if p is not None]
-            if seen:
-                count = len(names)
-                at = seen + [count + i for i in seen]
-                olds = [prev[i][0] for i in seen] + [prev[i][1] for i in seen]  # type: ignore[index]
-                moved = norms(torch._foreach_sub([now[i] for i in at], olds))
-                # ||now - before|| / (||before|| + 1e-12), as one BatchNorm's were
-                ratios = torch._foreach_div(moved, torch._foreach_add(norms(olds), 1e-12))
-                for i, ratio in zip(at, ratios, strict=True):
-                    drift[i] = ratio
-        copies = torch._foreach_mul(now, 1.0)  # a copy of each (-0.0 and NaN kept)
-        count = len(names)
-        for i, name in enumerate(names):
-            self._prev[name] = (copies[i], copies[count + i])
-        avg_, drift_ = torch.stack(avg), torch.stack(drift)
-        rows = torch.stack([avg_[:count], avg_[count:], drift_[:count], drift_[count:]], 1)
+            now = torch.cat([t.to(device, torch.float32).reshape(-1) for t in stats])
+
+            def sums(x: torch.Tensor) -> torch.Tensor:  # each statistic's sum
+                return x.new_zeros(len(lengths)).index_add_(0, segment, x)
+
+            avg = sums(now) / self._rows.const(tuple(map(float, lengths)), device)
+            prev = self._prev if self._prev is not None and self._prev[0] == layout else None
+            if prev is None:
+                drift = torch.full_like(avg, math.nan)
+            else:
+                before = prev[1]
+                moved = sums((now - before).square_()).sqrt_()
+                drift = moved / sums(before.square()).sqrt_().add_(1e-12)
+        self._prev = (layout, now)  # a copy: the cat's
+        rows = torch.cat([avg.view(-1, 2), drift.view(-1, 2)], 1)
         buf.set_rows([("bn", name) for name in names], rows)
 
     def layout(self, rank: int) -> list[Entry]:
