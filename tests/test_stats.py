@@ -19,6 +19,7 @@ from hookscope._stats import (
     moments,
     row_extremes,
     row_moments,
+    squared_norms,
 )
 
 
@@ -167,3 +168,20 @@ def test_the_finite_flag_of_other_tensors() -> None:
     z[2] = complex(0, math.inf)
     assert math.isnan(finite_flag(z).item())
     assert math.isnan(finite_flag(torch.tensor(math.nan)).item())  # a 0-d tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_squared_norms_are_each_tensors_squared_l2_norm_in_one_vector(dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen).to(dtype) for shape in [(64, 32), (7,), (3, 3, 5)]]
+    tensors[1] *= 300  # bfloat16 squares past its precision: accumulated in float32
+    got = squared_norms(tensors)
+    want = [t.double().square().sum().item() for t in tensors]
+    assert got.dtype == torch.float32 and got.tolist() == pytest.approx(want, rel=1e-5)
+    assert (
+        squared_norms(
+            [tensors[0], tensors[0].double() if dtype != torch.float64 else tensors[0].float()]
+        )
+        is None
+    )
+    assert squared_norms([]) is None

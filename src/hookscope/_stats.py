@@ -486,6 +486,23 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     return (peak * 0).float()
 
 
+def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The squares of the L2 norms of ``tensors`` as one float32 vector: one fused norm and
+    two ops (a fused square of every norm would be a kernel per tensor). None when they
+    are on several devices or of several dtypes (:func:`norms` takes those)."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    for t in tensors:
+        if t.device != device or t.dtype is not dtype:
+            return None
+    with torch.no_grad():
+        half = dtype in _HALF  # accumulate 16-bit floats in float32
+        values = torch._foreach_norm(tensors, 2, dtype=torch.float32 if half else None)
+        return torch.stack(values).float().square_()
+
+
 def norms(
     tensors: list[torch.Tensor], ord: float = 2, *, squared: bool = False
 ) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from ..._stats import (
     Rows,
     Sampler,
     norms,
+    squared_norms,
 )
 from .._step._buffer import Host, StepBuffer
 from .._step._dist import Entry, from_rank0, local, sharded_contributes
@@ -77,12 +78,13 @@ class Params:
                 if self.params[name].grad is None:
                     buf.set(("param", name, "no_grad"), torch.ones(()))
         names = [n for n in names if self.params[n].grad is not None]
+        if not names:
+            return
+        keys = [("param", name, "grad_norm") for name in names]
         if known is not None and all(n in known for n in names):
-            values = [known[n] for n in names]
-            squares = torch._foreach_mul(values, values) if values else []
+            buf.set_rows(keys, torch.stack([known[n] for n in names]).float().square_())
         else:
-            squares = norms([local(self.params[n].grad) for n in names], squared=True)
-        buf.set_many([("param", name, "grad_norm") for name in names], list(squares))
+            _set_squares(buf, keys, [local(self.params[n].grad) for n in names])
 
     def before_update(self, names: list[str]) -> None:
         for name in names:
@@ -103,10 +105,9 @@ class Params:
             with torch.no_grad():
                 befores = [before for _, before in kept]
                 nows = [self.sampler(local(self.params[name])) for name, _ in kept]
-                deltas = norms(torch._foreach_sub(nows, befores), squared=True)
-                sizes = norms(befores, squared=True)
-            keys = [("param", name, stat) for stat in ("delta", "before") for name, _ in kept]
-            buf.set_many(keys, deltas + sizes)
+                deltas = torch._foreach_sub(nows, befores)
+            for stat, values in (("delta", deltas), ("before", befores)):
+                _set_squares(buf, [("param", name, stat) for name, _ in kept], values)
         self._weightnorms(buf, names)
         self._done.update(names)
 
@@ -117,7 +118,7 @@ class Params:
 
     def _weightnorms(self, buf: StepBuffer, names: list[str]) -> None:
         weights = [local(self.params[n]) for n in names]
-        buf.set_many([("param", n, "norm") for n in names], norms(weights, squared=True))
+        _set_squares(buf, [("param", n, "norm") for n in names], weights)
 
     def layout(self, rank: int) -> list[Entry]:
         entries = []
@@ -146,6 +147,18 @@ class Params:
     def reset(self) -> None:
         self._before.clear()
         self._done.clear()
+
+
+def _set_squares(buf: StepBuffer, keys: list[tuple], tensors: list[torch.Tensor]) -> None:
+    """The squared L2 norm of each of ``tensors`` under its key: one vector where they share
+    a device and dtype (squares add up over calls and ranks, as norms do not)."""
+    if not tensors:
+        return
+    squares = squared_norms(tensors)
+    if squares is None:
+        buf.set_many(keys, norms(tensors, squared=True))
+    else:
+        buf.set_rows(keys, squares)
 
 
 class BatchNorms:
