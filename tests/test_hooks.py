@@ -164,3 +164,42 @@ def test_dead_tensor_hooks_are_dropped_at_the_next_prune(monkeypatch: pytest.Mon
         # the 64th registration pruned all but its own (alive while it registers)
         assert len(hooks._tensor_handles) == 1 and hooks._prune_at == 8
         assert len(hooks) == 0
+
+
+def test_a_switched_group_comes_back_in_its_place_among_other_hooks() -> None:
+    """Hooks of a group taken off and put back run where they ran, between the user's
+    hooks registered before and after them, over many switches; a hook the user adds while
+    the group is off runs after all of those."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    ran: list[str] = []
+
+    def hook(tag: str) -> Callable[..., None]:
+        return lambda *args: ran.append(tag)
+
+    users = [m.register_forward_hook(hook(f"user before {i}")) for i, m in enumerate(model)]
+    hooks = HookSet(model)
+    with hooks.grouped("g"):
+        for i, m in enumerate(model):
+            hooks.forward(m, hook(f"ours {i}"))
+    users += [m.register_forward_hook(hook(f"user after {i}")) for i, m in enumerate(model)]
+    want = [f"{who} {i}" for i in range(3) for who in ("user before", "ours", "user after")]
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        hooks.switch("g", False)
+        ran.clear()
+        model(x)
+        assert ran == [t for t in want if not t.startswith("ours")]
+        hooks.switch("g", True)
+        ran.clear()
+        model(x)
+        assert ran == want
+    hooks.switch("g", False)
+    users.append(model[1].register_forward_hook(hook("user late 1")))
+    hooks.switch("g", True)
+    ran.clear()
+    model(x)
+    assert ran == [*want[:6], "user late 1", *want[6:]]
+    hooks.remove()
+    for handle in users:
+        handle.remove()
+    assert_no_hooks(model)

@@ -285,16 +285,23 @@ class _Group:
     def put_back(self) -> None:
         self.on = True
         away, self._away = self._away, []
-        touched: dict[int, dict] = {}
+        touched: dict[int, list] = {}  # id(hook dict): [the dict, how many came back to it]
         for hooks, key, value in away:
             hooks[key] = value
-            touched[id(hooks)] = hooks
-        for key, hooks in touched.items():
+            entry = touched.get(id(hooks))
+            if entry is None:
+                touched[id(hooks)] = [hooks, 1]
+            else:
+                entry[1] += 1
+        for key, (hooks, back) in touched.items():
             _, before, off = self._places[key]
-            off[0] -= sum(1 for h, _, _ in away if h is hooks)
+            off[0] -= back
             now = list(hooks)
-            was = set(before)
-            order = [k for k in before if k in hooks] + [k for k in now if k not in was]
+            if now == before:  # each back in its place already (the usual)
+                order = now
+            else:
+                was = set(before)
+                order = [k for k in before if k in hooks] + [k for k in now if k not in was]
             if now != order:  # back at the end: into their places
                 items = [(k, hooks[k]) for k in order]
                 hooks.clear()
