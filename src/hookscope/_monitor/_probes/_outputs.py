@@ -249,8 +249,8 @@ class Activations:
     def _finish_dead(self, buf: StepBuffer, outs: list[_Out]) -> None:
         """Every ReLU-like call's dead-unit fraction (:func:`dead_fraction` of its units
         sample) in one pass over all of them, the max over each module's calls: a dozen ops
-        for every call, not eight per call. The same figures, bit for bit: the counts are
-        sums of 0/1 floats either way."""
+        for all the calls, not eight per call. The same figures, bit for bit: the counts
+        are sums of 0/1 floats either way."""
         units = [o.units for o in outs]
         shapes = tuple(tuple(u.shape) for u in units)  # (positions, units) each
         device = units[0].device

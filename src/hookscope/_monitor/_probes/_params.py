@@ -193,7 +193,8 @@ class BatchNorms:
     def collect(self, buf: StepBuffer) -> None:
         """Every BatchNorm's figures from one vector of all their running statistics (each
         one's mean, and its drift, ``||now - before|| / (||before|| + 1e-12)``, as sums over
-        its segment): a dozen ops for all of them, not a dozen per BatchNorm."""
+        its segment): a dozen ops for all of them, not a dozen per BatchNorm. The drifts
+        are NaN at the first sampled step, and at one whose BatchNorms or sizes changed."""
         names, stats = [], []
         for name, bn in self.modules.items():
             if bn.running_mean is None or bn.running_var is None:

@@ -126,12 +126,7 @@ class StepBuffer:
         pass): kept as the one tensor ``value`` is, while none of ``keys`` waits already
         (else added one by one) and none is asked for alone (:meth:`value`, :meth:`take`, a
         collective's :meth:`pending_keys` split it into its keys)."""
-        if len(keys) != value.shape[0]:
-            raise ValueError(f"{len(keys)} keys for {value.shape[0]} rows")
-        values, rows = self._values, self._row_of
-        if any(key in values or key in rows for key in keys) or (
-            self._blocks and any(self._in_block(key) for key in keys)
-        ):
+        if self._waiting(keys, value):
             for key, row in zip(keys, value.unbind(0), strict=True):
                 self.add(key, row, reduce)
             return
@@ -142,19 +137,22 @@ class StepBuffer:
     ) -> None:
         """:meth:`set` ``value[i]`` under ``keys[i]``, each, kept as one tensor as
         :meth:`add_rows` keeps it."""
-        if len(keys) != value.shape[0]:
-            raise ValueError(f"{len(keys)} keys for {value.shape[0]} rows")
-        values, rows = self._values, self._row_of
-        if any(key in values or key in rows for key in keys) or (
-            self._blocks and any(self._in_block(key) for key in keys)
-        ):
+        if self._waiting(keys, value):
             self._unblock()
             for key in keys:
-                values.pop(key, None)
+                self._values.pop(key, None)
         if self._host:
             for key in keys:
                 self._host.pop(key, None)
         self._keep_rows(tuple(keys), value, reduce)
+
+    def _waiting(self, keys: Sequence[Hashable], value: torch.Tensor) -> bool:
+        """Whether any of ``keys`` waits already, alone or in a block (``value``: a row for
+        each)."""
+        if len(keys) != value.shape[0]:
+            raise ValueError(f"{len(keys)} keys for {value.shape[0]} rows")
+        values = self._values
+        return any(key in values or self._in_block(key) for key in keys)
 
     def _keep_rows(self, keys: tuple[Hashable, ...], value: torch.Tensor, reduce: Reduce) -> None:
         """``value``'s rows under ``keys`` (none of which waits), as one tensor."""
