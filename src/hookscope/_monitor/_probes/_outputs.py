@@ -184,7 +184,7 @@ class Activations:
                     units = None
                 elif units.dtype != x.dtype:
                     units = units.to(x.dtype)
-                elif units.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                elif units._is_view():
                     units = units.clone()  # a view of ``t``, which an in-place op may change
             out = _Out(name, x, t.numel(), tuple(t.shape), channels, row, units)
             if exact:
