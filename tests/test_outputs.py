@@ -120,10 +120,10 @@ def test_16_bit_outputs_and_gradients_are_measured_in_float32(dtype, sample) -> 
 
 
 class DeadChannels(nn.Module):
-    """A CNN whose first conv has 3 of its 8 channels dead (bias -100, after an in-place
-    ReLU called twice), a frozen head (10 of 32 units dead, or more) whose ReLU's output an in-place
-    subtraction then makes all negative (a sample taken as a view of the output would read
-    it after that), and a float64 layer (6 of 24 dead, or more)."""
+    """A CNN whose first conv has 3 of its 8 channels dead (bias -100, before an in-place
+    ReLU called twice), a frozen head (10 of its 32 units dead, or more) whose ReLU's
+    output an in-place subtraction then makes all negative (a sample taken as a view of the
+    output would read it after that), and a float64 layer (6 of 24 dead, or more)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -175,6 +175,6 @@ def test_dead_units_of_every_call_come_from_one_pass_as_plain_torch_counts_them(
         mon.step()
     (record,) = (r for r in mon.records if r["type"] == "step")
     got = {name: record["act"][name]["dead_frac"] for name in want}
-    assert want["relu"] == 3 / 8  # as built; the others have at least their dead biases'
+    assert want["relu"] == 3 / 8  # as built; the others: at least the units biased -100
     assert want["head_relu"] >= 10 / 32 and want["wide_relu"] >= 6 / 24
     assert got == pytest.approx(want, abs=1e-7)

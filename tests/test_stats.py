@@ -178,10 +178,6 @@ def test_squared_norms_are_each_tensors_squared_l2_norm_in_one_vector(dtype) -> 
     got = squared_norms(tensors)
     want = [t.double().square().sum().item() for t in tensors]
     assert got.dtype == torch.float32 and got.tolist() == pytest.approx(want, rel=1e-5)
-    assert (
-        squared_norms(
-            [tensors[0], tensors[0].double() if dtype != torch.float64 else tensors[0].float()]
-        )
-        is None
-    )
+    other = torch.float32 if dtype == torch.float64 else torch.float64
+    assert squared_norms([tensors[0], tensors[0].to(other)]) is None  # two dtypes: norms()
     assert squared_norms([]) is None
