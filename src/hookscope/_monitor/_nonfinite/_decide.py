@@ -104,6 +104,11 @@ class NonFiniteDecision:
         # (several ranks, or a replay that found nothing), every module output is flagged.
         self.light = self.can_trace and not coll.synced and not root_watched
 
+    @property
+    def synced(self) -> bool:
+        """Whether the ranks decide together (``torch.distributed``): a collective each time."""
+        return self._coll.synced
+
     def localised(
         self, state: StepState, host: Host, step: int, findings: list[Finding]
     ) -> Finding | None:

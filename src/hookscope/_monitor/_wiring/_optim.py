@@ -48,6 +48,8 @@ class OptimizerWatch:
       ``ready()`` says a backward pass of this step ran before ``step(closure)`` was called
       (sharpness-aware minimisation moves the weights by those gradients before its closure
       runs), also before ``step()`` does anything;
+    - ``evaluated(opt, names)`` after each later evaluation of a closure (its NaN is found
+      while the weights are still the ones it ran with);
     - ``check(opt, names) -> bool`` right after it: ``True`` skips this update (the
       gradients are hidden from the optimizer, which then leaves those parameters and their
       state alone, and are given back after);
@@ -65,10 +67,11 @@ class OptimizerWatch:
         after: Callable[[torch.optim.Optimizer, list[str]], None],
         ready: Callable[[], bool] = lambda: False,
         again: Callable[[], None] = lambda: None,
+        evaluated: Callable[[torch.optim.Optimizer, list[str]], None] = lambda opt, names: None,
     ) -> None:
         self._owned, self._grads, self._check = owned, grads, check
         self._before, self._after, self._ready = before, after, ready
-        self._again = again
+        self._again, self._evaluated = again, evaluated
         self._cache: dict[int, tuple[weakref.ref, int, list[str]]] = {}
         self._hidden: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._read_early: set[int] = set()  # optimizers whose gradients were read already
@@ -141,6 +144,8 @@ class OptimizerWatch:
             if first:
                 first = False
                 self._final_grads(opt, names)
+            else:
+                self._evaluated(opt, names)
             return loss
 
         if "closure" in kwargs:

@@ -59,6 +59,7 @@ class UpdateHooks:
             after=self.after,
             ready=lambda: self._hooks.now.reached,
             again=self.again,
+            evaluated=self.evaluated,
         )
 
     def read_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -113,16 +114,9 @@ class UpdateHooks:
 
     def check(self, optimizer: torch.optim.Optimizer, names: list[str]) -> bool:
         """The non-finite check, before the optimizer changes anything. True: skip it."""
-        s, step, decision = self._hooks.now, self._step(), self._decision
+        s, step = self._hooks.now, self._step()
         if s.nonfinite is None:
-            agree = self._on_nonfinite != "log"  # every rank must decide alike before it
-            early = self._transfer.before_update
-            s.nonfinite = decision.before_update(s, early, step, self._out.findings, agree=agree)
-            if s.nonfinite is not None:
-                found = decision.with_overflow(s.nonfinite)
-                s.early = self._out.report(found, step, before_update=True)
-                if self._on_nonfinite == "raise":
-                    raise nonfinite_error(s.nonfinite)
+            self._decide(step)
         if s.nonfinite is None or self._on_nonfinite != "skip":
             return False
         self._probes.bns.restore_running()
@@ -134,6 +128,29 @@ class UpdateHooks:
         )
         s.skipped += 1
         return True
+
+    def evaluated(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+        """A closure optimizer's later evaluation returned (``LBFGS``): a NaN/Inf it made is
+        localised now, while the weights are the ones it ran with (the optimizer moves them
+        before its next evaluation, and a replay at the step's end would run the step's first
+        call with the update's), and reported; not skipped (the optimizer is inside its
+        ``step()``). In one process: a collective per evaluation would make every rank wait
+        for the others' closures."""
+        if self._hooks.now.nonfinite is None and not self._decision.synced:
+            self._decide(self._step())
+
+    def _decide(self, step: int) -> None:
+        """The step's non-finite finding so far, from its flags, reported (``"raise"``:
+        raised)."""
+        s, decision = self._hooks.now, self._decision
+        agree = self._on_nonfinite != "log"  # every rank must decide alike before it
+        early = self._transfer.before_update
+        s.nonfinite = decision.before_update(s, early, step, self._out.findings, agree=agree)
+        if s.nonfinite is not None:
+            found = decision.with_overflow(s.nonfinite)
+            s.early = self._out.report(found, step, before_update=True)
+            if self._on_nonfinite == "raise":
+                raise nonfinite_error(s.nonfinite)
 
     def before(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
         self._hooks.now.updates += 1
