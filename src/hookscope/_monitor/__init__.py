@@ -92,7 +92,8 @@ class Monitor:
         every: Sample statistics every ``every`` steps (step 0 is sampled); ``None``: only
             the non-finite check, on every step. A closure optimizer's sampled step
             (``LBFGS``, which evaluates one batch's closure many times) reads the first
-            evaluation; the others are checked as an unsampled step's calls are.
+            evaluation; the others are checked as an unsampled step's calls are, each
+            right after it runs (a NaN it makes is traced with the weights it ran with).
         sample: On sampled steps, compute each tensor's statistics from at most this many of
             its elements, spread over all of it; ``None`` reads every element (and copies the
             weights whole around the optimizer step, for exact update ratios). The
