@@ -262,15 +262,21 @@ class Activations:
                 first += c
             return torch.cat(parts).to(device)
 
+        dtype = units[0].dtype
         where = self.rows.cached(("dead_units", shapes, device), index)
         call_of = self.rows.cached(
             ("dead_calls", shapes, device),
             lambda: torch.cat([torch.full((c,), i) for i, (_, c) in enumerate(shapes)]).to(device),
         )
-        positions = self.rows.const(
-            tuple(float(p) for p, c in shapes for _ in range(c)), device, units[0].dtype
+        # each unit's count of positions, and each call's count of units (made once per
+        # layout, as the indices are: not a tuple of every unit's count each step)
+        positions = self.rows.cached(
+            ("dead_positions", shapes, device, dtype),
+            lambda: torch.tensor([float(p) for p, c in shapes for _ in range(c)], dtype=dtype).to(
+                device
+            ),
         )
-        counts = self.rows.const(tuple(float(c) for _, c in shapes), device, units[0].dtype)
+        counts = self.rows.const(tuple(float(c) for _, c in shapes), device, dtype)
         x = torch.cat([u.reshape(-1) for u in units])
         # 1 where a value is <= 0, 0 where positive, NaN (left out, as nansum does) for NaN
         off = x.clamp_(0, 1).ceil_().neg_().add_(1).nan_to_num_(0.0)
