@@ -67,9 +67,10 @@ class Params:
         names: Iterable[str],
         *,
         stepped: bool = False,
-        known: dict[str, torch.Tensor] | None = None,
+        known: tuple[list[str], torch.Tensor | list[torch.Tensor]] | None = None,
     ) -> None:
-        """Gradient norms (``known``: the L2 norms already measured, by name); with
+        """Gradient norms (``known``: the names and L2 norms already measured, used as they
+        are when they are those of the parameters with a gradient, in order); with
         ``stepped`` (an optimizer steps these), a parameter without a gradient is noted as
         such."""
         names = list(names)
@@ -81,8 +82,10 @@ class Params:
         if not names:
             return
         keys = [("param", name, "grad_norm") for name in names]
-        if known is not None and all(n in known for n in names):
-            buf.set_rows(keys, torch.stack([known[n] for n in names]).float().square_())
+        if known is not None and known[0] == names:
+            values = known[1]
+            stacked = values if isinstance(values, torch.Tensor) else torch.stack(values)
+            buf.set_rows(keys, stacked.float().square())
         else:
             _set_squares(buf, keys, [local(self.params[n].grad) for n in names])
 

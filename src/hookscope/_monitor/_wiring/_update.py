@@ -83,11 +83,8 @@ class UpdateHooks:
         params = probes.params.params
         first, read, values = s.trail.parameters(s.buf, params, names, self._plist(names))
         if s.sampled:  # the flags' L2 norms are the gradient norms: no second pass
-            values = values[: len(read)]  # (the model's edges' may follow)
-            if isinstance(values, torch.Tensor):
-                values = values.unbind(0)
-            found = dict(zip(read, values, strict=True))
-            probes.params.read_grads(s.buf, names, stepped=optimizer is not None, known=found)
+            known = (read, values[: len(read)])  # (the model's edges' may follow)
+            probes.params.read_grads(s.buf, names, stepped=optimizer is not None, known=known)
         probes.spikes.flags(first, read)  # their L2 norms feed the rolling window too
         probes.spikes.weights(s.buf)
 
